@@ -1,0 +1,42 @@
+"""Reference attention backend in plain torch: runs on CPU and CUDA, one request at a time.
+
+It is the yardstick the Triton kernels are checked against, so it favours obviousness
+over speed: gather the request's K/V through its page-table row, then scaled dot-product
+attention with a causal mask shifted by the cached prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minfer.attention.base import ForwardContext
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+        meta = ctx.attn
+        k_pool, v_pool = ctx.kv_pool.k[layer], ctx.kv_pool.v[layer]
+        num_heads, num_kv_heads = q.shape[1], k_pool.shape[1]
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(q)
+        start = 0
+        table_idx = meta.table_idx.tolist() if meta.table_idx.device.type != "cpu" else meta.table_idx
+        for i, (prefix, extend) in enumerate(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)):
+            seq = prefix + extend
+            slots = meta.page_table[table_idx[i], :seq].long()
+            k = k_pool[slots].transpose(0, 1)  # [Hk, S, D]
+            v = v_pool[slots].transpose(0, 1)
+            if group > 1:
+                k = k.repeat_interleave(group, dim=0)
+                v = v.repeat_interleave(group, dim=0)
+            qi = q[start:start + extend].transpose(0, 1)  # [Hq, E, D]
+            mask = None
+            if extend > 1:  # query j sits at position prefix + j and sees keys [0, prefix + j]
+                mask = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+            out[start:start + extend] = o.transpose(0, 1)
+            start += extend
+        return out

@@ -1,0 +1,105 @@
+"""Every option minfer has, defined once.
+
+The CLI flags, the keyword arguments of `LLM(...)` and the server's settings are all
+generated from these dataclasses: a field `page_size` is the flag `--page-size` and the
+keyword `page_size=`. Help text lives in each field's metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+
+def _opt(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class EngineConfig:
+    """Options of the engine: model loading, KV cache, scheduling, kernels."""
+
+    model: str | None = _opt(
+        None, "HF directory, .gguf file, or a shipped shape name (qwen3-0.6b, llama-3.1-8b); "
+        "default: the embedded SmolLM2-135M-Instruct")
+    load_format: str = _opt("auto", "how to read the weights", ("auto", "safetensors", "gguf", "dummy"))
+    dtype: str = _opt("auto", "compute dtype; auto = the checkpoint's dtype on CUDA, float32 on CPU",
+                      ("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("auto", "auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
+    max_model_len: int | None = _opt(None, "context length limit (default: the model's)")
+    page_size: int = _opt(1, "KV cache page size in tokens")
+    kv_cache_tokens: int | None = _opt(
+        None, "KV pool size in tokens; overrides the measured size on CUDA (CPU default: 16384)")
+    mem_fraction: float = _opt(0.90, "fraction of total device memory minfer may use (CUDA)")
+    max_running_requests: int | None = _opt(None, "cap on concurrently running requests (default: derived)")
+    chunked_prefill_size: int = _opt(8192, "token budget of one prefill step; longer prompts span steps")
+    attention_backend: str = _opt("auto", "auto = triton on CUDA, torch on CPU", ("auto", "torch", "triton"))
+    cache: str = _opt("radix", "prefix cache: radix shares prompt prefixes, naive shares nothing",
+                      ("radix", "naive"))
+    schedule_policy: str = _opt("fcfs", "order of admission: first come first served, or longest prefix "
+                                "match first", ("fcfs", "lpm"))
+    tp: int = _opt(1, "tensor-parallel degree (one process per rank)")
+    cuda_graph_max_bs: int = _opt(256, "largest decode batch captured in a CUDA graph; 0 disables graphs")
+    disable_overlap_schedule: bool = _opt(False, "run the CPU scheduling and the GPU step one after the other")
+    seed: int = _opt(0, "seed for requests that do not bring their own")
+    trace_requests: str | None = _opt(None, "write a JSONL trace of every request's events to this file")
+    log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
+
+
+@dataclass
+class ServerConfig:
+    """Options of the HTTP front end."""
+
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8000, "port to listen on")
+    served_model_name: str | None = _opt(None, "model name reported by /v1/models (default: the model path)")
+
+
+# Values used when a field above is left at None and the device is a CPU.
+CPU_DEFAULT_KV_CACHE_TOKENS = 16384
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+def _base_type(tp) -> type:
+    """`int | None` -> int; `str` -> str (fields are annotated as strings under __future__)."""
+    if isinstance(tp, str):
+        tp = eval(tp, {}, {})  # noqa: S307 - annotations of this module only
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    """Add one `--flag` per dataclass field of `cls` (defaults left to the dataclass)."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        tp = _base_type(f.type)
+        kwargs = {"help": f.metadata.get("help"), "default": argparse.SUPPRESS, "dest": f.name}
+        if tp is bool:
+            parser.add_argument(flag, action="store_true", **kwargs)
+        else:
+            parser.add_argument(flag, type=tp, choices=f.metadata.get("choices"), **kwargs)
+
+
+def config_from_kwargs(cls, kwargs: dict, strict: bool = True):
+    """Build `cls` from the subset of `kwargs` it knows; unknown names are an error when strict."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(kwargs) - names
+    if strict and unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options are {sorted(names)}")
+    cfg = cls(**{k: v for k, v in kwargs.items() if k in names})
+    validate_choices(cfg)
+    return cfg
+
+
+def validate_choices(cfg) -> None:
+    for f in dataclasses.fields(cfg):
+        choices = f.metadata.get("choices")
+        value = getattr(cfg, f.name)
+        if choices and value not in choices:
+            raise ValueError(f"{f.name}={value!r} is not one of {list(choices)}")

@@ -1,0 +1,39 @@
+"""Physical page allocator: hands out and takes back pages of `page_size` slots."""
+
+from __future__ import annotations
+
+
+class OutOfSlotsError(RuntimeError):
+    """The pool has fewer free pages than asked for (the scheduler evicts or preempts first)."""
+
+
+class PageAllocator:
+    """Free list of page ids. Slot s belongs to page s // page_size."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # Pop from the end: low page ids are handed out first, which keeps traces readable.
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfSlotsError(f"asked for {n} pages, {len(self._free)} free")
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        pages.reverse()
+        return pages
+
+    def free(self, pages) -> None:
+        self._free.extend(pages)
+
+    def pages_of_slots(self, slots) -> list[int]:
+        """The distinct pages, in order, of a run of slots whose first slot starts a page."""
+        ps = self.page_size
+        return [int(s) // ps for s in slots[::ps]]

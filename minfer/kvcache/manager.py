@@ -1,0 +1,116 @@
+"""KV bookkeeping for the scheduler: rows, slot allocation, prefix reuse and release.
+
+This is the "allocate" act of DESIGN.md: before a forward pass, positions
+[cached_len, cached_len + n) of a request get physical slots, recorded in the page table.
+The attention layers write K/V there during the pass; the backend reads through the table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minfer.core import Req
+from minfer.kvcache.allocator import OutOfSlotsError, PageAllocator
+from minfer.kvcache.page_table import PageTable
+from minfer.kvcache.prefix_cache import NaiveCache, PrefixCache
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVManager:
+    def __init__(self, num_slots: int, page_size: int, max_rows: int, max_len: int,
+                 device: torch.device, cache: str = "naive"):
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        self.allocator = PageAllocator(self.num_pages, page_size)
+        self.page_table = PageTable(max_rows, max_len, device)
+        self.prefix_cache: PrefixCache = self._make_cache(cache)
+
+    def _make_cache(self, kind: str) -> PrefixCache:
+        if kind == "radix":
+            try:
+                from minfer.kvcache.radix import RadixCache
+            except ImportError:  # the radix cache arrives with its own module
+                return NaiveCache(self.allocator)
+            return RadixCache(self.allocator)
+        return NaiveCache(self.allocator)
+
+    # -- capacity ----------------------------------------------------------------------------
+    def pages_needed(self, req: Req, num_new_tokens: int) -> int:
+        """Pages to allocate so positions up to cached_len + num_new_tokens have slots."""
+        ps = self.page_size
+        return _ceil_div(req.cached_len + num_new_tokens, ps) - _ceil_div(req.cached_len, ps)
+
+    @property
+    def available_pages(self) -> int:
+        """Free pages plus those the prefix cache would give up."""
+        return self.allocator.num_free_pages + self.prefix_cache.evictable_pages
+
+    def reserve_pages(self, n: int) -> bool:
+        """Make `n` pages free, evicting cached ones if needed. False if impossible."""
+        short = n - self.allocator.num_free_pages
+        if short > 0:
+            self.prefix_cache.evict(short)
+        return self.allocator.num_free_pages >= n
+
+    # -- request life cycle --------------------------------------------------------------------
+    def admit(self, req: Req) -> None:
+        """Give the request a row, its tokens on the device, and any cached prefix."""
+        req.table_idx = self.page_table.take_row()
+        self.page_table.write_tokens(req.table_idx, 0, req.token_ids[:req.device_len])
+        # Leave at least one token to compute: its logits give the first sampled token.
+        match = self.prefix_cache.match(req.token_ids[:req.device_len - 1])
+        req.cache_handle = match.handle
+        req.cached_len = len(match.slots)
+        if match.slots:
+            n = len(match.slots)
+            self.page_table.write_slots(torch.full((n,), req.table_idx), torch.arange(n),
+                                        torch.tensor(match.slots))
+
+    def allocate(self, reqs: list[Req], extend_lens: list[int]) -> torch.Tensor:
+        """Allocate slots for each request's next `extend_lens[i]` positions; returns out_loc (CPU).
+
+        The caller has checked capacity with `reserve_pages`; running short here is a bug.
+        """
+        ps = self.page_size
+        total_pages = sum(self.pages_needed(r, n) for r, n in zip(reqs, extend_lens))
+        if not self.reserve_pages(total_pages):
+            raise OutOfSlotsError(f"{total_pages} pages needed, {self.allocator.num_free_pages} free")
+        rows, positions, slots = [], [], []
+        for req, n in zip(reqs, extend_lens):
+            start = req.cached_len
+            new_pages = self.allocator.alloc(self.pages_needed(req, n))
+            if ps == 1:
+                req_slots = new_pages
+            else:
+                req_slots = []
+                if start % ps:  # finish the request's partly filled last page first
+                    last = int(self.page_table.slots_cpu[req.table_idx, start - 1]) + 1
+                    req_slots.extend(range(last, last + min(ps - start % ps, n)))
+                for page in new_pages:
+                    req_slots.extend(range(page * ps, page * ps + ps))
+                del req_slots[n:]
+            rows.append(torch.full((n,), req.table_idx, dtype=torch.int64))
+            positions.append(torch.arange(start, start + n))
+            slots.extend(req_slots)
+        out_loc = torch.tensor(slots, dtype=torch.int64)
+        self.page_table.write_slots(torch.cat(rows), torch.cat(positions), out_loc)
+        return out_loc
+
+    def release(self, req: Req) -> None:
+        """A request leaves: its cached positions go to the prefix cache, the rest is freed."""
+        ps = self.page_size
+        slots = self.page_table.row_slots(req.table_idx, req.cached_len).tolist()
+        aligned = (req.cached_len // ps) * ps
+        self.prefix_cache.insert(req.token_ids[:aligned], slots[:aligned], req.cache_handle)
+        if aligned < req.cached_len:  # the tail page is not shareable: it is partly filled
+            self.allocator.free([slots[aligned] // ps])
+        req.cache_handle = None
+        self.page_table.give_back_row(req.table_idx)
+        req.table_idx = -1
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - self.allocator.num_free_pages - self.prefix_cache.cached_pages

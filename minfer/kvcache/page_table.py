@@ -1,0 +1,46 @@
+"""Page table and token table: per-request rows mapping position -> slot and position -> token id."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageTable:
+    """`slots[row, position]` is the pool slot holding that position's K/V;
+    `tokens[row, position]` is the token id at that position (prompt and sampled tokens).
+
+    Both live on the compute device, where the attention kernels and the input gather read
+    them; the slot table has a CPU mirror so the scheduler can look slots up without a sync.
+    """
+
+    def __init__(self, max_rows: int, max_len: int, device: torch.device):
+        self.max_rows = max_rows
+        self.max_len = max_len
+        self.device = device
+        self.slots = torch.zeros((max_rows, max_len), dtype=torch.int32, device=device)
+        self.tokens = torch.zeros((max_rows, max_len), dtype=torch.int32, device=device)
+        self.slots_cpu = torch.zeros((max_rows, max_len), dtype=torch.int32)
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def take_row(self) -> int:
+        return self._free_rows.pop()
+
+    def give_back_row(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
+        self.tokens[row, start:start + len(token_ids)] = torch.tensor(token_ids, dtype=torch.int32).to(
+            self.device, non_blocking=True)
+
+    def write_slots(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Record slots for (row, position) pairs; all three are CPU int tensors of one length."""
+        self.slots_cpu[rows, positions] = slots.to(torch.int32)
+        dev = [t.to(self.device, non_blocking=True) for t in (rows, positions, slots)]
+        self.slots[dev[0], dev[1]] = dev[2].to(torch.int32)
+
+    def row_slots(self, row: int, length: int) -> torch.Tensor:
+        return self.slots_cpu[row, :length]

@@ -1,0 +1,33 @@
+"""The KV pool: one K and one V tensor per layer, indexed by physical slot."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """Per-layer K/V storage of shape [num_slots + page_size, num_kv_heads, head_dim].
+
+    The last page (slots num_slots .. num_slots + page_size - 1) is never handed out: padded
+    rows of a CUDA-graph batch write their K/V there, so they cannot corrupt a real request.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 page_size: int, dtype: torch.dtype, device: torch.device):
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scratch_slot = num_slots
+        shape = (num_slots + page_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor) -> None:
+        """Write step of the KV life cycle: new K/V of this pass go to their allocated slots."""
+        self.k[layer][out_loc] = k
+        self.v[layer][out_loc] = v

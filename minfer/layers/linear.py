@@ -1,0 +1,111 @@
+"""Linear layers sharded for tensor parallelism.
+
+Column-parallel layers split the output features across ranks (each rank computes a slice,
+no communication); row-parallel layers split the input features and all-reduce the partial
+sums. Attention and MLP use one of each, so a block needs exactly two all-reduces.
+Each parameter carries a `weight_loader(param, full_tensor, shard_id)` that cuts this rank's
+slice out of a checkpoint tensor, so weights are sharded while they load.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minfer.distributed.parallel import SINGLE, TPGroup
+
+
+def _divide(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what}={a} is not divisible by the tensor-parallel size {b}")
+    return a // b
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.out_per_rank = _divide(out_features, tp.size, "output features")
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
+        self.weight.weight_loader = self._load_column
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
+            self.bias.weight_loader = self._load_column
+
+    def _load_column(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = self.out_per_rank
+        param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stored as one (gate and up projections)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, tp: TPGroup = SINGLE):
+        super().__init__(in_features, sum(out_sizes), bias, tp)
+        self.shard_sizes = [_divide(s, tp.size, "output features") for s in out_sizes]
+        self.weight.weight_loader = self._load_merged
+
+    def _load_merged(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        size = self.shard_sizes[shard_id]
+        offset = sum(self.shard_sizes[:shard_id])
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matrix. Each rank holds num_heads/tp query heads and
+    max(1, num_kv_heads/tp) KV heads; with fewer KV heads than ranks, KV heads are replicated."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp: TPGroup = SINGLE):
+        self.num_heads = _divide(num_heads, tp.size, "attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = _divide(num_kv_heads, tp.size, "KV heads")
+        else:
+            _divide(tp.size, num_kv_heads, "tensor-parallel size vs KV heads")
+            self.num_kv_heads = 1
+        self.head_dim = head_dim
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
+        super().__init__(hidden, out, bias, tp)
+        self.weight.weight_loader = self._load_qkv
+        if self.bias is not None:
+            self.bias.weight_loader = self._load_qkv
+
+    def _load_qkv(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            offset, size, src = 0, q_size, self.tp.rank * q_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, src = kv_size, (self.tp.rank // self.kv_replicas) * kv_size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, src, size))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.head_dim
+        return qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.in_per_rank = _divide(in_features, tp.size, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
+        self.weight.weight_loader = self._load_row
+        self.bias = None
+        if bias:  # added once, after the reduction
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+
+    def _load_row(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = self.in_per_rank
+        param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

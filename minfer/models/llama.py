@@ -1,0 +1,161 @@
+"""The Llama decoder, which Qwen2, Qwen3 and Mistral share with small variations.
+
+Variations are switches, not subclasses with overridden internals:
+  qkv_bias  Qwen2/2.5 add a bias to the Q, K, V projections
+  qk_norm   Qwen3 RMS-normalises each query and key head before RoPE
+Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up are fused
+(see `STACKED`), which `load_weights` maps back.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from minfer.attention.base import ForwardContext
+from minfer.distributed.parallel import SINGLE, TPGroup
+from minfer.layers.activation import silu_and_mul
+from minfer.layers.attention import PagedAttention
+from minfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minfer.layers.norm import RMSNorm
+from minfer.layers.rotary import RotaryEmbedding, rope_parameters
+
+# checkpoint name fragment -> (fused parameter fragment, shard id)
+STACKED = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, layer_id: int, tp: TPGroup, max_positions: int, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        d = head_dim_of(cfg)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, qkv_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, False, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(d, max_positions, rope_parameters(cfg))
+        self.attn = PagedAttention(layer_id, self.num_heads, self.num_kv_heads, d)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        t = x.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_id: int, tp: TPGroup, max_positions: int, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, tp, max_positions, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual, ctx):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, tp: TPGroup, max_positions: int, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, tp, max_positions, qkv_bias, qk_norm) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, ctx):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, cfg, tp: TPGroup = SINGLE, max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        max_positions = max_positions or cfg.max_position_embeddings
+        qkv_bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
+        self.model = LlamaModel(cfg, tp, max_positions, qkv_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint tensors by Hugging Face name, sharding each as it arrives."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        seen = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # tied: the embedding is the head
+            shard = None
+            for fragment, (fused, shard_id) in STACKED.items():
+                if fragment in name:
+                    name, shard = name.replace(fragment, fused), shard_id
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            tensor = tensor.to(param.dtype)
+            if loader is None:
+                param.data.copy_(tensor)
+            elif shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+            seen.add(name)
+        missing = set(params) - seen
+        if self.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise KeyError(f"checkpoint lacks tensors for: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")

