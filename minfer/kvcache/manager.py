@@ -20,12 +20,11 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class KVManager:
-    def __init__(self, num_slots: int, page_size: int, max_rows: int, max_len: int,
-                 device: torch.device, cache: str = "naive"):
+    def __init__(self, num_slots: int, page_size: int, page_table: PageTable, cache: str = "naive"):
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         self.allocator = PageAllocator(self.num_pages, page_size)
-        self.page_table = PageTable(max_rows, max_len, device)
+        self.page_table = page_table
         self.prefix_cache: PrefixCache = self._make_cache(cache)
 
     def _make_cache(self, kind: str) -> PrefixCache:

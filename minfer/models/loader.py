@@ -162,6 +162,10 @@ def load_tokenizer(source: ModelSource):
         from minfer.models.gguf import gguf_tokenizer
 
         return gguf_tokenizer(source.path)
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any(os.path.exists(os.path.join(source.path, f)) for f in tokenizer_files):
+        log.warning("%s has no tokenizer files: prompts must be token ids", source.path)
+        return None
     return AutoTokenizer.from_pretrained(source.path)
 
 
@@ -174,7 +178,4 @@ def eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
         ids.update(eos)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    gen_cfg = getattr(hf_config, "_generation_eos", None)
-    if gen_cfg:
-        ids.update(gen_cfg)
     return frozenset(ids)

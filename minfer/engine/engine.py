@@ -1,0 +1,130 @@
+"""The engine: one per TP rank. Owns the model, the KV pool, the attention backend and the
+sampler; turns a scheduled batch into next tokens. It decides nothing about which requests run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from minfer.attention.base import ForwardContext, build_metadata
+from minfer.config import DEFAULT_MAX_RUNNING_REQUESTS, EngineConfig
+from minfer.core import Batch, Phase
+from minfer.distributed.parallel import SINGLE, TPGroup
+from minfer.engine.memory import MemoryBudget, plan_memory
+from minfer.engine.sampler import SamplingTensors, sample
+from minfer.kvcache.page_table import PageTable
+from minfer.kvcache.pool import KVPool
+from minfer.models.llama import head_dim_of
+from minfer.models.loader import (build_model, eos_token_ids, load_hf_config, load_tokenizer,
+                                  resolve_dtype, resolve_model)
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' asked for, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def make_attention_backend(name: str, device: torch.device):
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from minfer.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from minfer.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+@dataclass
+class ForwardResult:
+    """Next tokens of the requests that sampled this pass (batch order), still on the device."""
+
+    next_tokens: torch.Tensor
+    sampled_rows: list[int]  # indices into batch.reqs
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, tp: TPGroup = SINGLE):
+        self.config = config
+        self.tp = tp
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)
+        self.source = resolve_model(config.model, config.load_format)
+        self.hf_config = load_hf_config(self.source)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.max_model_len = min(config.max_model_len or self.hf_config.max_position_embeddings,
+                                 self.hf_config.max_position_embeddings)
+        self.vocab_size = self.hf_config.vocab_size
+
+        memory_before = _device_memory_in_use(self.device)
+        self.model = build_model(self.source, self.hf_config, self.dtype, self.device, tp,
+                                 self.max_model_len, config.seed)
+        self.tokenizer = load_tokenizer(self.source) if tp.rank == 0 else None
+        self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
+        self.backend = make_attention_backend(config.attention_backend, self.device)
+
+        attn = self.model.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, head_dim_of(self.hf_config)
+        self.kv_bytes_per_token = KVPool.bytes_per_token(
+            self.hf_config.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        self.memory: MemoryBudget = plan_memory(self, memory_before)
+        self.max_running_requests = config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        page = config.page_size
+        num_slots = self.memory.kv_pool_tokens // page * page
+        self.kv_pool = KVPool(self.hf_config.num_hidden_layers, num_slots, self.num_kv_heads,
+                              self.head_dim, page, self.dtype, self.device)
+        self.page_table = PageTable(self.max_running_requests, self.max_model_len, self.device)
+        log.info("%s", self.memory.describe(self.max_model_len))
+
+    # -- one forward pass ----------------------------------------------------------------------
+    def forward_batch(self, batch: Batch) -> ForwardResult:
+        """Run the model over the batch's new tokens and sample where a request completes its
+        known tokens (decode, or the last chunk of a prefill)."""
+        reqs = batch.reqs
+        rows, positions, prefix_lens = [], [], []
+        for req, n in zip(reqs, batch.extend_lens):
+            rows.append(torch.full((n,), req.table_idx, dtype=torch.int64))
+            positions.append(torch.arange(req.cached_len, req.cached_len + n))
+            prefix_lens.append(req.cached_len)
+        rows_d = torch.cat(rows).to(self.device, non_blocking=True)
+        positions_d = torch.cat(positions).to(self.device, non_blocking=True)
+        input_ids = self.page_table.tokens[rows_d, positions_d].long()
+        meta = build_metadata([r.table_idx for r in reqs], prefix_lens, list(batch.extend_lens),
+                              self.page_table.slots, batch.phase == Phase.DECODE, self.device)
+        out_loc = batch.out_loc.to(self.device, non_blocking=True)
+        ctx = ForwardContext(meta, self.kv_pool, self.backend, out_loc)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions_d, ctx)
+            sampled_rows = [i for i, s in enumerate(batch.sample_mask) if s]
+            if not sampled_rows:
+                return ForwardResult(torch.empty(0, dtype=torch.int64, device=self.device), [])
+            ends = meta.cu_extend_lens[1:].long() - 1
+            if len(sampled_rows) < len(reqs):
+                ends = ends[torch.tensor(sampled_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden[ends])
+            chosen = [reqs[i] for i in sampled_rows]
+            st = SamplingTensors.build([r.params for r in chosen], [r.seed for r in chosen],
+                                       [r.device_len for r in chosen], self.vocab_size, self.device)
+            next_tokens = sample(logits, st)
+            # The sampled token becomes known on the device at position device_len.
+            token_rows = torch.tensor([r.table_idx for r in chosen], device=self.device)
+            token_pos = torch.tensor([r.device_len for r in chosen], device=self.device)
+            self.page_table.tokens[token_rows, token_pos] = next_tokens.to(torch.int32)
+        return ForwardResult(next_tokens, sampled_rows)
+
+
+def _device_memory_in_use(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free

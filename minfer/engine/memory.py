@@ -1,0 +1,113 @@
+"""The memory budget: how big the KV pool is, as arithmetic a reader can redo.
+
+On CUDA:
+    budget         = total * mem_fraction
+    kv_pool_bytes  = budget - in_use_before - weights - activation_reserve
+    kv_pool_tokens = kv_pool_bytes // kv_bytes_per_token
+where `in_use_before` is memory other processes (and the CUDA context) held before minfer
+loaded anything, `weights` is measured after loading, and `activation_reserve` is the peak
+measured during a profiling forward pass of the largest prefill chunk (plus the CUDA graph
+pool once graphs are captured). On CPU the pool holds `--kv-cache-tokens` tokens.
+`--kv-cache-tokens` overrides the derived size on CUDA too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from minfer.config import CPU_DEFAULT_KV_CACHE_TOKENS
+
+GiB = 1 << 30
+
+
+@dataclass
+class MemoryBudget:
+    device: str
+    total_bytes: int
+    in_use_before_bytes: int
+    weights_bytes: int
+    activation_reserve_bytes: int
+    mem_fraction: float
+    kv_bytes_per_token: int
+    kv_pool_tokens: int
+    overridden: bool  # kv_pool_tokens came from --kv-cache-tokens
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self, max_model_len: int) -> str:
+        full = self.kv_pool_tokens // max_model_len
+        kv_gib = self.kv_pool_tokens * self.kv_bytes_per_token / GiB
+        if self.device == "cpu" or self.overridden:
+            how = "set by --kv-cache-tokens" if self.overridden else "CPU default"
+            return (f"memory: weights {self.weights_bytes / GiB:.2f} GiB; KV pool {self.kv_pool_tokens} tokens "
+                    f"x {self.kv_bytes_per_token} B/token = {kv_gib:.2f} GiB ({how}); "
+                    f"{full} concurrent requests at full context ({max_model_len} tokens)")
+        return (f"memory: total {self.total_bytes / GiB:.2f} GiB x mem_fraction {self.mem_fraction} "
+                f"- in use before {self.in_use_before_bytes / GiB:.2f} - weights {self.weights_bytes / GiB:.2f} "
+                f"- activations {self.activation_reserve_bytes / GiB:.2f} = KV pool {kv_gib:.2f} GiB "
+                f"/ {self.kv_bytes_per_token} B/token = {self.kv_pool_tokens} tokens; "
+                f"{full} concurrent requests at full context ({max_model_len} tokens)")
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def plan_memory(engine, in_use_before: int) -> MemoryBudget:
+    cfg = engine.config
+    weights = _param_bytes(engine.model)
+    per_token = engine.kv_bytes_per_token
+    if engine.device.type != "cuda":
+        tokens = cfg.kv_cache_tokens or CPU_DEFAULT_KV_CACHE_TOKENS
+        return MemoryBudget("cpu", 0, 0, weights, 0, cfg.mem_fraction, per_token, tokens,
+                            cfg.kv_cache_tokens is not None)
+    total = torch.cuda.mem_get_info(engine.device)[1]
+    activation = profile_activation_peak(engine)
+    if cfg.kv_cache_tokens:
+        tokens = cfg.kv_cache_tokens
+    else:
+        kv_bytes = int(total * cfg.mem_fraction) - in_use_before - weights - activation
+        if kv_bytes < per_token * engine.max_model_len // 8:
+            raise RuntimeError(
+                f"not enough device memory for a KV pool: {kv_bytes / GiB:.2f} GiB left after weights "
+                f"and activations; raise --mem-fraction or lower --chunked-prefill-size / --max-model-len")
+        tokens = kv_bytes // per_token
+    return MemoryBudget("cuda", total, in_use_before, weights, activation, cfg.mem_fraction, per_token,
+                        tokens, cfg.kv_cache_tokens is not None)
+
+
+def profile_activation_peak(engine) -> int:
+    """Peak bytes above the weights while one prefill of `chunked_prefill_size` tokens runs
+    (through a throwaway pool just big enough for it) and its logits are computed."""
+    from minfer.attention.base import ForwardContext, build_metadata
+    from minfer.kvcache.pool import KVPool
+
+    n = min(engine.config.chunked_prefill_size, engine.max_model_len)
+    page = engine.config.page_size
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    pool = KVPool(engine.hf_config.num_hidden_layers, -(-n // page) * page, engine.num_kv_heads,
+                  engine.head_dim, page, engine.dtype, engine.device)
+    pool_bytes = torch.cuda.memory_allocated() - base
+    table = torch.arange(n, dtype=torch.int32, device=engine.device)[None, :]
+    meta = build_metadata([0], [0], [n], table, False, engine.device)
+    ctx = ForwardContext(meta, pool, engine.backend, torch.arange(n, device=engine.device))
+    torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode():
+        ids = torch.randint(0, engine.vocab_size, (n,), device=engine.device)
+        hidden = engine.model(ids, torch.arange(n, device=engine.device), ctx)
+        # Up to one row of logits per running request (plus the sort of top-k/top-p).
+        engine.model.compute_logits(hidden[: min(n, 256)]).sort(dim=-1)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base - pool_bytes
+    del pool, ctx, hidden
+    torch.cuda.empty_cache()
+    return int(peak)

@@ -1,0 +1,98 @@
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Randomness comes from a counter-based hash of (request seed, position, vocabulary index)
+rather than from a shared generator: a request's draws then depend only on its own seed and
+position, so a seeded request samples the same tokens whatever else is in the batch and
+whatever order the batch is in. The draw uses the Gumbel-max trick:
+argmax(logits / T + Gumbel noise) is a sample from softmax(logits / T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minfer.core import SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of one batch, on the device."""
+
+    temperature: torch.Tensor  # [B] float32; 0 marks a greedy row
+    top_k: torch.Tensor  # [B] int64; vocab size when disabled
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64: the position the sampled token will occupy
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int], vocab_size: int,
+              device: torch.device) -> "SamplingTensors":
+        temps = [0.0 if p.greedy else p.temperature for p in params]
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        floats = torch.tensor([temps, [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32)
+        ints = torch.tensor([top_k, [s & _M32 for s in seeds], positions], dtype=torch.int64)
+        floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+        return cls(
+            temperature=floats[0], top_p=floats[1], min_p=floats[2],
+            top_k=ints[0], seeds=ints[1], positions=ints[2],
+            all_greedy=all(t == 0 for t in temps),
+            any_top_k=any(k < vocab_size for k in top_k),
+            any_top_p=any(p.top_p < 1 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
+        )
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply rounds) on int64 tensors holding u32 values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] uniforms in (0, 1), a pure function of (seed, position, vocab index)."""
+    row_key = _mix32((seeds * 0x9E3779B1 + positions * 0x85EBCA77 + 0x165667B1) & _M32)
+    col = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _mix32((row_key[:, None] ^ ((col[None, :] * 0x27D4EB2F) & _M32)) + 0x61C88647 & _M32)
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _apply_filters(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Mask to -inf the tokens top-k, top-p and min-p exclude (logits already temperature-scaled)."""
+    if st.any_min_p:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * st.min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if st.any_top_k or st.any_top_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+        drop = ranks >= st.top_k[:, None]
+        if st.any_top_p:
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            drop |= (cum - sorted_logits.softmax(dim=-1)) >= st.top_p[:, None]  # keep the token crossing p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids [B] int64."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy_tokens
+    temperature = torch.where(st.temperature > 0, st.temperature, 1.0)
+    scaled = _apply_filters(logits / temperature[:, None], st)
+    gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, st.positions, logits.shape[-1])))
+    sampled_tokens = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(st.temperature > 0, sampled_tokens, greedy_tokens)

@@ -1,0 +1,211 @@
+"""Paged decode attention in Triton: one query token per request, K/V read through the page table.
+
+Two passes, so that a single long request still spreads over the whole GPU:
+
+  pass 1, grid (request, kv head, split): each program walks one slice of the request's
+      positions, gathers K/V slot by slot via `page_table[table_idx[b], pos]`, and runs an
+      online softmax for all the query heads that share this kv head (GQA: the group's
+      queries are the rows of one small matrix, so each K/V row is read once per group).
+      It writes its normalised partial output and its log-sum-exp (base 2).
+  pass 2, grid (request, q head): merges the splits by their log-sum-exp.
+
+Why the number of splits is fixed per launch and chosen from static sizes only: a CUDA graph
+replays the launch grid it captured, so the grid may not depend on this step's lengths. The
+split count comes from the batch size (fixed per captured graph), the number of kv heads and
+the page table's width (the longest sequence the engine can hold); each program then derives
+its slice from `seq_lens` on the device: slice = ceil(seq_len / splits), rounded up to the
+key block. Splits past the end of a short sequence find an empty slice, write lse = -inf and
+are weighted zero by the merge. With one split the first pass writes the output directly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from minfer.kernels.common import dot
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+BLOCK_N = 64  # keys per inner step
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    page_table_ptr, table_idx_ptr, seq_lens_ptr,
+    sm_scale_log2,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_ob, stride_oh,
+    stride_page_row,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    row = tl.load(table_idx_ptr + b).to(tl.int64)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    page_row = page_table_ptr + row * stride_page_row
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        slots = tl.load(page_row + pos, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = dot(q, tl.trans(k)) * sm_scale_log2
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # An empty slice (split past the end) has l_i = 0: its output is 0 and its lse -inf.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    hd_mask = h_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hd_mask)
+    else:
+        # partials are contiguous [B, Hq, NUM_SPLITS, HEAD_DIM] and [B, Hq, NUM_SPLITS]
+        lse_idx = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + lse_idx[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], o, mask=hd_mask)
+        tl.store(part_lse_ptr + lse_idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=h_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr,
+    stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = (b * NUM_HEADS + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all: output 0, not NaN
+    weights = tl.exp2(lse - lse_max)
+    live = lse > float("-inf")  # empty splits are not even read
+    parts = tl.load(part_out_ptr + (base + offs_s)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+                    mask=live[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(weights, 0)
+    total = tl.where(total > 0, total, 1.0)
+    o = tl.sum(parts * weights[:, None], 0) / total
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per (request, kv head), from sizes that stay fixed while a CUDA graph replays.
+
+    Aim for about four programs per SM in pass 1 when the batch alone does not fill the GPU,
+    never more splits than key blocks in the longest possible sequence, at most MAX_SPLITS.
+    """
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    want = triton.cdiv(4 * sms, batch_size * num_kv_heads)
+    return max(1, min(want, MAX_SPLITS, triton.cdiv(max_context, BLOCK_N)))
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                     table_idx: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one new token per request over its cached keys [0, seq_lens[b]).
+
+    q: [B, Hq, D]; k_pool, v_pool: [slots, Hk, D] (last dim contiguous); page_table: [rows, max_len]
+    int32; table_idx, seq_lens: [B] int32 on the device. Returns [B, Hq, D] in q's dtype.
+    `num_splits` defaults to `choose_num_splits` from static sizes (see the module docstring).
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num q heads {num_heads} is not a multiple of num kv heads {num_kv_heads}")
+    assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
+    assert page_table.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, page_table.shape[1], q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused: pass 1 writes the output itself
+    if batch == 0:
+        return out
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_pool, v_pool, out, part_out, part_lse,
+        page_table, table_idx, seq_lens,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_pool.stride(0), k_pool.stride(1),
+        v_pool.stride(0), v_pool.stride(1),
+        out.stride(0), out.stride(1),
+        page_table.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            out, part_out, part_lse,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
+
+
+def decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                               page_table: torch.Tensor, table_idx: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """The same computation in plain torch, request by request, accumulated in fp32."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_pool.shape[1]
+    for b, (row, seq) in enumerate(zip(table_idx.tolist(), seq_lens.tolist())):
+        slots = page_table[row, :seq].long()
+        k = k_pool[slots].float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = v_pool[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,shd->hs", q[b].float(), k) * scale
+        out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out

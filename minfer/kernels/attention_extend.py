@@ -1,0 +1,151 @@
+"""Paged extend (prefill) attention in Triton: many new tokens per request, causal over the cache.
+
+Request b computes queries for positions [prefix_lens[b], seq_lens[b]); its tokens sit in the
+flattened q at rows [cu_extend_lens[b], cu_extend_lens[b + 1]). Every key in [0, seq_lens[b])
+is read through `page_table[table_idx[b], pos]`: the cached prefix and this pass's own tokens,
+which the attention layer stored in the pool before the call. Query j (position prefix + j)
+sees keys [0, prefix + j].
+
+Grid (query block, request, q head); a flash-attention loop with an online softmax in fp32.
+Keys are walked only up to the last position the block's queries can see. Query blocks past a
+request's extend length return at once, so the grid may be sized by the longest extend.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minfer.kernels.common import dot
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr,
+    page_table_ptr, table_idx_ptr, prefix_lens_ptr, seq_lens_ptr, cu_extend_lens_ptr,
+    sm_scale_log2,
+    stride_qt, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_page_row,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    block_m = tl.program_id(0)
+    b = tl.program_id(1)
+    head = tl.program_id(2)
+
+    q_start = tl.load(cu_extend_lens_ptr + b)
+    extend_len = tl.load(cu_extend_lens_ptr + b + 1) - q_start
+    if block_m * BLOCK_M >= extend_len:
+        return
+    prefix = tl.load(prefix_lens_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b)
+    row = tl.load(table_idx_ptr + b).to(tl.int64)
+    kv_head = head // GROUP
+
+    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < extend_len
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = prefix + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    page_row = page_table_ptr + row * stride_page_row
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    end = tl.minimum(seq_len, prefix + (block_m + 1) * BLOCK_M)
+    for n0 in range(0, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        slots = tl.load(page_row + pos, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = dot(q, tl.trans(k)) * sm_scale_log2
+        visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        # Every row sees key 0, so after the first block m_new is finite for every row.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                     table_idx: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
+                     cu_extend_lens: torch.Tensor, max_extend_len: int, scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its keys [0, seq_lens[b]).
+
+    q: [T, Hq, D] (last dim contiguous); k_pool, v_pool: [slots, Hk, D]; page_table: [rows, max_len]
+    int32; table_idx, prefix_lens, seq_lens: [B] int32 and cu_extend_lens: [B + 1] int32, all on
+    the device; max_extend_len: the longest extend of the batch (CPU int, sizes the grid).
+    Returns [T, Hq, D] in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num q heads {num_heads} is not a multiple of num kv heads {num_kv_heads}")
+    assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
+    assert page_table.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    batch = table_idx.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
+    block_m = 64 if q.is_cuda else 16  # 16: the CPU interpreter pays per element of padding
+    block_n = 64 if q.is_cuda else 16
+    grid = (triton.cdiv(max_extend_len, block_m), batch, num_heads)
+    _extend_kernel[grid](
+        q, k_pool, v_pool, out,
+        page_table, table_idx, prefix_lens, seq_lens, cu_extend_lens,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_pool.stride(0), k_pool.stride(1),
+        v_pool.stride(0), v_pool.stride(1),
+        out.stride(0), out.stride(1),
+        page_table.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4 if block_d <= 64 else 8, num_stages=2,
+    )
+    return out
+
+
+def extend_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                               page_table: torch.Tensor, table_idx: torch.Tensor, prefix_lens: torch.Tensor,
+                               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same computation in plain torch, request by request, in fp32."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_pool.shape[1]
+    start = 0
+    for row, prefix, seq in zip(table_idx.tolist(), prefix_lens.tolist(), seq_lens.tolist()):
+        extend = seq - prefix
+        slots = page_table[row, :seq].long()
+        k = k_pool[slots].float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = v_pool[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("ehd,shd->hes", q[start:start + extend].float(), k) * scale
+        visible = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start:start + extend] = torch.einsum("hes,shd->ehd", probs, v).to(q.dtype)
+        start += extend
+    return out

@@ -1,0 +1,94 @@
+"""The offline API: `LLM(model).generate(prompts, params)` runs requests to completion in-process."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from minfer.config import EngineConfig, config_from_kwargs
+from minfer.core import InvalidRequestError, RequestOutput, SamplingParams
+from minfer.engine.engine import Engine
+from minfer.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """An engine and its scheduler in this process.
+
+    `LLM(model, **options)` takes every option of `EngineConfig` by its field name, the same
+    names as the CLI flags (`page_size`, `kv_cache_tokens`, `chunked_prefill_size`, ...).
+    """
+
+    def __init__(self, model: str | None = None, **options):
+        self.config: EngineConfig = config_from_kwargs(EngineConfig, {"model": model, **options})
+        logging.basicConfig(level=self.config.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+        self.engine = Engine(self.config)
+        self.scheduler = Scheduler(self.engine)
+        self.tokenizer = self.engine.tokenizer
+
+    # -- prompts -------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"model {self.engine.source.name!r} has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(f"model {self.engine.source.name!r} has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.encode(p) for p in prompts]
+        return self.generate_ids(ids, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate_ids([self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
+
+    def generate_ids(self, prompts: list[list[int]],
+                     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                     use_tqdm: bool = True) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        sched = self.scheduler
+        for p in params:
+            p.validate()  # all or nothing: reject before queueing any
+        reqs = [sched.add_request(ids, p) for ids, p in zip(prompts, params)]
+        pending = {r.uid for r in reqs}
+        bar = None
+        if use_tqdm and len(reqs) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(reqs), desc="generating", unit="req")
+        while pending:
+            for out in sched.step():
+                if out.finish_reason and out.uid in pending:
+                    pending.discard(out.uid)
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [RequestOutput(r.uid, r.token_ids[:r.prompt_len], r.output_ids, self.decode(r.output_ids),
+                              r.finish_reason) for r in reqs]

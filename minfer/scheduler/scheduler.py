@@ -1,0 +1,233 @@
+"""The scheduler: owns request state and every admission decision.
+
+One step: schedule (a prefill batch if anything waits and fits, else a decode batch of all
+running requests) -> allocate KV slots -> engine forward -> process results (advance the
+three lengths, append tokens, finish, free). Requests join and leave between steps.
+
+Queues
+  waiting     accepted, not yet holding KV (new, or preempted with their tokens kept)
+  prefilling  holding KV, prompt not fully computed yet (chunked prefill), at most a few
+  running     prompt computed; one token per decode step
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from minfer.config import EngineConfig
+from minfer.core import Batch, InvalidRequestError, Phase, Req, SamplingParams
+from minfer.engine.engine import Engine
+from minfer.kvcache.manager import KVManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: a new token and/or the end of the request."""
+
+    uid: int
+    token_id: int | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None  # the stop token id that ended it, when one did
+
+
+@dataclass
+class SchedulerCounters:
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefill_tokens_computed: int = 0
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, config: EngineConfig | None = None):
+        self.engine = engine
+        self.config = config or engine.config
+        # Free KV a running request may need before the next admission: one page each, so an
+        # admitted batch does not preempt itself on its first decode step.
+        self.decode_reserve_pages = 1
+        self.kv = KVManager(engine.kv_pool.num_slots, self.config.page_size, engine.page_table,
+                            self.config.cache)
+        self.waiting: deque[Req] = deque()
+        self.prefilling: list[Req] = []
+        self.running: list[Req] = []
+        self.by_uid: dict[int, Req] = {}
+        self.counters = SchedulerCounters()
+        self._seed_source = random.Random(self.config.seed)
+        self._uids = itertools.count()
+
+    # -- intake --------------------------------------------------------------------------------
+    def new_uid(self) -> int:
+        return next(self._uids)
+
+    def add_request(self, token_ids: list[int], params: SamplingParams, uid: int | None = None,
+                    arrival_time: float | None = None) -> Req:
+        """Validate and queue a request; raises InvalidRequestError naming the limit it breaks."""
+        params.validate()
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        max_len = self.engine.max_model_len
+        if len(token_ids) + params.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {max_len} tokens, but the request has "
+                f"{len(token_ids)} prompt tokens and max_tokens={params.max_tokens} "
+                f"({len(token_ids) + params.max_tokens} in total)", "max_tokens")
+        # A request alone in the pool must be able to finish, or preemption could not help it.
+        pool_tokens = (self.kv.num_pages - self.decode_reserve_pages) * self.config.page_size
+        if len(token_ids) + params.max_tokens > pool_tokens:
+            raise InvalidRequestError(
+                f"the request needs {len(token_ids)} prompt + {params.max_tokens} max_tokens KV slots, more than "
+                f"the whole KV pool holds ({pool_tokens} tokens)", "max_tokens")
+        bad = [t for t in token_ids if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})",
+                                      "prompt")
+        uid = self.new_uid() if uid is None else uid
+        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(32)
+        req = Req(uid=uid, token_ids=list(token_ids), prompt_len=len(token_ids), params=params,
+                  eos_token_ids=self.engine.eos_token_ids, seed=seed,
+                  arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        self.by_uid[uid] = req
+        self.waiting.append(req)
+        self.counters.prompt_tokens += len(token_ids)
+        return req
+
+    def abort(self, uid: int) -> StepOutput | None:
+        """End a request wherever it is; its KV is freed now. None if it is unknown or done."""
+        req = self.by_uid.get(uid)
+        if req is None:
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            for queue in (self.prefilling, self.running):
+                if req in queue:
+                    queue.remove(req)
+            self.kv.release(req)
+        req.finish_reason = "abort"
+        del self.by_uid[uid]
+        return StepOutput(uid, None, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        return self.schedule_prefill() or self.schedule_decode()
+
+    def schedule_prefill(self) -> Batch | None:
+        budget = self.config.chunked_prefill_size
+        reqs, lens = [], []
+        free_pages = self.kv.available_pages - self.decode_reserve_pages * len(self.running)
+        # Requests already holding KV finish their prompts first.
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(req.extend_len, budget)
+            need = self.kv.pages_needed(req, n)
+            if need > free_pages:
+                break
+            free_pages -= need
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        while self.waiting and budget > 0:
+            active = len(self.running) + len(self.prefilling)
+            if active >= self.engine.max_running_requests or self.kv.page_table.num_free_rows == 0:
+                break
+            req = self.waiting[0]
+            self.kv.admit(req)
+            n = min(req.extend_len, budget)
+            need = self.kv.pages_needed(req, n) + self.decode_reserve_pages
+            if need > free_pages:
+                self.kv.release(req)  # give back the row and the prefix lock; try again later
+                req.cached_len = 0
+                break
+            self.waiting.popleft()
+            free_pages -= need
+            self.prefilling.append(req)
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        if not reqs:
+            return None
+        batch = Batch(Phase.PREFILL, reqs, lens)
+        batch.sample_mask = [r.cached_len + n == r.device_len for r, n in zip(reqs, lens)]
+        return batch
+
+    def schedule_decode(self) -> Batch | None:
+        if not self.running:
+            return None
+        # Each running request needs a slot for its newest token; free some by preemption,
+        # half-prefilled requests first, then the newest running ones. The oldest always fits
+        # alone (add_request checks prompt + max_tokens against the pool).
+        while not self.kv.reserve_pages(sum(self.kv.pages_needed(r, 1) for r in self.running)):
+            self.preempt(self.prefilling[-1] if self.prefilling else self.running[-1])
+            if not self.running:
+                return None
+        batch = Batch(Phase.DECODE, list(self.running), [1] * len(self.running))
+        batch.sample_mask = [True] * len(self.running)
+        return batch
+
+    def preempt(self, req: Req) -> None:
+        """Send the newest running request back to the front of the queue, keeping its tokens;
+        its KV goes to the prefix cache (so resuming may reuse it) or back to the pool."""
+        (self.prefilling if req in self.prefilling else self.running).remove(req)
+        self.kv.release(req)
+        req.cached_len = 0
+        req.device_len = len(req.token_ids)
+        self.waiting.appendleft(req)
+        self.counters.preemptions += 1
+        log.debug("preempted request %d at %d tokens", req.uid, req.device_len)
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.schedule()
+        if batch is None:
+            return []
+        batch.out_loc = self.kv.allocate(batch.reqs, batch.extend_lens)
+        result = self.engine.forward_batch(batch)
+        return self.process(batch, result.next_tokens.tolist(), result.sampled_rows)
+
+    def process(self, batch: Batch, next_tokens: list[int], sampled_rows: list[int]) -> list[StepOutput]:
+        outputs = []
+        token_of = dict(zip(sampled_rows, next_tokens))
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            req.cached_len += n
+            if batch.phase == Phase.PREFILL:
+                self.counters.prefill_tokens_computed += n
+            if i not in token_of:
+                continue  # a prompt chunk that is not the last: nothing sampled yet
+            token = token_of[i]
+            req.token_ids.append(token)
+            req.device_len += 1
+            self.counters.generation_tokens += 1
+            if batch.phase == Phase.PREFILL:
+                self.prefilling.remove(req)
+                self.running.append(req)
+            reason, stop_reason = self.finish_reason(req, token)
+            if reason:
+                req.finish_reason = reason
+                self.running.remove(req)
+                self.kv.release(req)
+                del self.by_uid[req.uid]
+            outputs.append(StepOutput(req.uid, token, reason, stop_reason))
+        return outputs
+
+    def finish_reason(self, req: Req, token: int) -> tuple[str | None, int | None]:
+        p = req.params
+        if req.output_len >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return "stop", token
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return "stop", None
+        if req.output_len >= p.max_tokens or req.device_len >= self.engine.max_model_len:
+            return "length", None
+        return None, None
