@@ -149,7 +149,7 @@ class RadixCache:
         upper = _Node(node.parent, node.token_ids[:at], node.slots[:at], node.last_access)
         # Every lock on `node` runs through `upper` to the root, so it inherits the count;
         # the locked/unlocked split of pages is unchanged, as is evictable_pages.
-        upper.lock_count = 0
+        upper.lock_count = node.lock_count
         node.parent.children[tuple(upper.token_ids[:self.page_size])] = upper
         node.token_ids, node.slots = node.token_ids[at:], node.slots[at:]
         upper.children[tuple(node.token_ids[:self.page_size])] = node

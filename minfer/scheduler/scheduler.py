@@ -43,6 +43,11 @@ class SchedulerCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     prefill_tokens_computed: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    decode_batch_total: int = 0  # sum of decode batch sizes (mean = this / decode_steps)
+    prefill_seconds: float = 0.0  # wall time of steps, from scheduling to tokens on the CPU
+    decode_seconds: float = 0.0
 
 
 class Scheduler:
@@ -189,12 +194,25 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
         batch = self.schedule()
         if batch is None:
             return []
         batch.out_loc = self.kv.allocate(batch.reqs, batch.extend_lens)
         result = self.engine.forward_batch(batch)
-        return self.process(batch, result.next_tokens.tolist(), result.sampled_rows)
+        outputs = self.process(batch, result.next_tokens.tolist(), result.sampled_rows)
+        self._count_step(batch, time.perf_counter() - start)
+        return outputs
+
+    def _count_step(self, batch: Batch, seconds: float) -> None:
+        c = self.counters
+        if batch.phase == Phase.PREFILL:
+            c.prefill_steps += 1
+            c.prefill_seconds += seconds
+        else:
+            c.decode_steps += 1
+            c.decode_batch_total += batch.size
+            c.decode_seconds += seconds
 
     def process(self, batch: Batch, next_tokens: list[int], sampled_rows: list[int]) -> list[StepOutput]:
         outputs = []

@@ -1,0 +1,5 @@
+import sys
+
+from minfer.cli import main
+
+sys.exit(main())

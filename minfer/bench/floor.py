@@ -1,0 +1,42 @@
+"""The physical floor of a workload: the time no implementation can beat on a given card.
+
+Decode: every step reads all weights once plus the KV of every running request (bytes over
+memory bandwidth). Prefill: 2 x parameters FLOPs per prompt token (FLOPs over matmul rate).
+The attention FLOPs and activation traffic are left out, so the floor is a true lower bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Card:
+    name: str
+    bandwidth: float  # bytes/s, measured device-to-device copy (read + write)
+    matmul_rate: float  # FLOP/s, measured bf16 GEMM
+
+
+H200 = Card("H200", 4.26e12, 790e12)  # measured on the GPU host, see ../shared/gpu/README.md
+
+
+@dataclass
+class Floor:
+    decode_seconds: float
+    prefill_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.decode_seconds + self.prefill_seconds
+
+
+def workload_floor(card: Card, num_params: int, weight_bytes: int, kv_bytes_per_token: int,
+                   prompt_lens: list[int], output_lens: list[int]) -> Floor:
+    """All requests run concurrently from the first decode step (the most favourable batching):
+    step s reads the weights and, for each request still generating, prompt + s tokens of KV.
+    The first output token comes from prefill, so a request of n outputs takes n - 1 decode steps."""
+    steps = max(output_lens) - 1
+    kv_token_reads = sum(n * (p + (n - 1) / 2) for p, n in ((p, o - 1) for p, o in zip(prompt_lens, output_lens)))
+    decode = (steps * weight_bytes + kv_token_reads * kv_bytes_per_token) / card.bandwidth
+    prefill = 2 * num_params * sum(prompt_lens) / card.matmul_rate
+    return Floor(decode, prefill)

@@ -1,0 +1,72 @@
+"""`minfer bench offline`: nano-vllm's / Mini-SGLang's offline throughput workload.
+
+Python random.seed(seed); for each of N requests a prompt of randint(100, input_len) token ids
+each randint(0, 10000); then max_tokens = randint(100, output_len) per request; temperature
+0.6, ignore_eos. Throughput = sum(max_tokens) / wall time of one generate call after a warm-up.
+With the defaults (256 requests, 1024/1024) the workload is 133,966 output tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from minfer.bench.floor import H200, workload_floor
+from minfer.config import EngineConfig
+from minfer.core import SamplingParams
+
+WORKLOAD_ARGS = ("num_requests", "input_len", "output_len", "bench_seed")
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=1024, help="upper end of the prompt length range")
+    p.add_argument("--output-len", type=int, default=1024, help="upper end of the max_tokens range")
+    p.add_argument("--bench-seed", type=int, default=0, help="seed of the workload's random draws")
+
+
+def make_workload(num_requests: int = 256, input_len: int = 1024, output_len: int = 1024, seed: int = 0):
+    rng = random.Random(seed)
+    lo_in, lo_out = min(100, input_len), min(100, output_len)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(lo_in, input_len))] for _ in range(num_requests)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(lo_out, output_len))
+              for _ in range(num_requests)]
+    return prompts, params
+
+
+def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
+    from minfer import LLM
+
+    if config.model is None:
+        config.model = "qwen3-0.6b"
+    if config.load_format == "auto" and not config.model.endswith(".gguf") and "/" not in config.model:
+        config.load_format = "dummy"
+    llm = LLM(**vars(config))
+    prompts, params = make_workload(args.num_requests, args.input_len, args.output_len, args.bench_seed)
+    vocab = llm.engine.vocab_size
+    prompts = [[t % vocab for t in p] for p in prompts]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    sched = llm.scheduler
+    sched.counters.__init__()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    c = sched.counters
+    output_tokens = sum(p.max_tokens for p in params)
+    engine = llm.engine
+    num_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
+    floor = workload_floor(H200, num_params * engine.tp.size, engine.memory.weights_bytes * engine.tp.size,
+                           engine.kv_bytes_per_token * engine.tp.size, [len(p) for p in prompts],
+                           [p.max_tokens for p in params])
+    mean_bs = c.decode_batch_total / max(c.decode_steps, 1)
+    print(f"model {engine.source.name} ({engine.source.load_format}, {engine.dtype}, {engine.device}, "
+          f"attention {engine.backend.name})")
+    print(f"requests {len(prompts)}, prompt tokens {sum(map(len, prompts))}, output tokens {output_tokens}")
+    print(f"throughput {output_tokens / wall:,.0f} output tok/s, wall {wall:.2f} s")
+    print(f"prefill {c.prefill_seconds:.2f} s in {c.prefill_steps} steps, decode {c.decode_seconds:.2f} s in "
+          f"{c.decode_steps} steps (mean batch {mean_bs:.1f}), preemptions {c.preemptions}")
+    print(f"floor on {H200.name}: {floor.seconds:.2f} s = {output_tokens / floor.seconds:,.0f} tok/s "
+          f"(decode bytes {floor.decode_seconds:.2f} s + prefill FLOPs {floor.prefill_seconds:.2f} s); "
+          f"this run is at {100 * floor.seconds / wall:.1f}% of the {H200.name} floor")
+    return 0
