@@ -30,7 +30,10 @@ from minfer.kernels.common import dot
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
+# GPU launch configuration of pass 1; scripts/gpu_check.py sweeps these (see its output).
 BLOCK_N = 64  # keys per inner step
+NUM_WARPS = 4
+NUM_STAGES = 2
 
 
 @triton.jit
@@ -42,8 +45,8 @@ def _decode_split_kernel(
     stride_ks, stride_kh,
     stride_vs, stride_vh,
     stride_ob, stride_oh,
-    stride_page_row,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    stride_page_row, num_splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIRECT_OUT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -52,7 +55,7 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(table_idx_ptr + b).to(tl.int64)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -92,12 +95,12 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     hd_mask = h_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if DIRECT_OUT:  # a single split: no merge pass
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=hd_mask)
     else:
-        # partials are contiguous [B, Hq, NUM_SPLITS, HEAD_DIM] and [B, Hq, NUM_SPLITS]
-        lse_idx = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        # partials are contiguous [B, Hq, num_splits, HEAD_DIM] and [B, Hq, num_splits]
+        lse_idx = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split
         tl.store(part_out_ptr + lse_idx[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], o, mask=hd_mask)
         tl.store(part_lse_ptr + lse_idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=h_mask)
 
@@ -105,16 +108,16 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
-    stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    stride_ob, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    base = (b * NUM_HEADS + head) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    base = (b * NUM_HEADS + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all: output 0, not NaN
     weights = tl.exp2(lse - lse_max)
@@ -180,16 +183,16 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1),
-        page_table.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        page_table.stride(0), num_splits,
+        GROUP=group, HEAD_DIM=head_dim, DIRECT_OUT=num_splits == 1,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        num_warps=4, num_stages=2,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
             out, part_out, part_lse,
-            out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            out.stride(0), out.stride(1), num_splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
             num_warps=4,
         )

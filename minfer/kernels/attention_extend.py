@@ -20,6 +20,12 @@ import triton.language as tl
 from minfer.kernels.common import dot
 
 LOG2E = 1.4426950408889634
+# GPU launch configuration; scripts/gpu_check.py sweeps these (see its output). The CPU
+# interpreter uses 16 x 16 blocks: it pays for every padded element.
+BLOCK_M = 64
+BLOCK_N = 64
+NUM_WARPS = 8
+NUM_STAGES = 2
 
 
 @triton.jit
@@ -112,8 +118,7 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if num_tokens == 0 or batch == 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
-    block_m = 64 if q.is_cuda else 16  # 16: the CPU interpreter pays per element of padding
-    block_n = 64 if q.is_cuda else 16
+    block_m, block_n = (BLOCK_M, BLOCK_N) if q.is_cuda else (16, 16)
     grid = (triton.cdiv(max_extend_len, block_m), batch, num_heads)
     _extend_kernel[grid](
         q, k_pool, v_pool, out,
@@ -126,7 +131,7 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         page_table.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        num_warps=NUM_WARPS if q.is_cuda else 4, num_stages=NUM_STAGES,
     )
     return out
 

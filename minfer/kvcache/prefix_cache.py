@@ -38,7 +38,7 @@ class PrefixCache(Protocol):
         """Longest cached page-aligned prefix of `token_ids`, locked for the caller."""
 
     def release(self, handle: object | None) -> None:
-        """Unlock what `match` or `insert` locked."""
+        """Unlock what `match` or `insert_and_lock` locked."""
 
     def insert(self, token_ids: list[int], slots: list[int], handle: object | None) -> None:
         """Give the cache the page-aligned prefix (`len(token_ids) % page_size == 0`) and its slots.

@@ -148,7 +148,10 @@ class Scheduler:
             if active >= self.engine.max_running_requests or self.kv.page_table.num_free_rows == 0:
                 break
             req = self.waiting[0]
+            evictable_before = self.kv.prefix_cache.evictable_pages
             self.kv.admit(req)
+            # The matched prefix is now locked: it no longer counts as room we could evict.
+            free_pages -= evictable_before - self.kv.prefix_cache.evictable_pages
             n = min(req.extend_len, budget)
             need = self.kv.pages_needed(req, n) + self.decode_reserve_pages
             if need > free_pages:

@@ -17,6 +17,18 @@ from minfer.layers.rotary import RotaryEmbedding
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
+def _bitwise_or_interpreter(dtype: torch.dtype, atol: float = 0.0) -> dict:
+    """Exact on the GPU, where the kernels round exactly where the torch ops do. Triton's
+    interpreter (3.9) truncates fp32 -> bf16 instead of rounding to nearest even, so there each
+    bf16 rounding may be one unit in the last place off (`atol` covers sums that cancel).
+    In fp32 nothing rounds between a product and a sum, so the compiler may fuse them (FMA)."""
+    if dtype == torch.float32:
+        return dict(atol=1e-5, rtol=1e-5)
+    if torch.cuda.is_available() or dtype != torch.bfloat16:
+        return dict(atol=0, rtol=0)
+    return dict(atol=atol, rtol=2 ** -7)
+
+
 def _randn(shape, dtype, device, seed):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=gen).to(dtype).to(device)
@@ -40,7 +52,7 @@ def test_rmsnorm_matches_layer(dtype, hidden, device):
     out, new_residual = rmsnorm(x, norm.weight, 1e-6, residual)
     expected_out, expected_residual = norm(x, residual)
     torch.testing.assert_close(out, expected_out, **tolerance(dtype))
-    torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
+    torch.testing.assert_close(new_residual, expected_residual, **_bitwise_or_interpreter(dtype))
 
 
 def test_rmsnorm_per_head_view_and_fp32_weight(device):
@@ -49,7 +61,9 @@ def test_rmsnorm_per_head_view_and_fp32_weight(device):
     weight = _randn((64,), torch.float32, device, 5)
     out = rmsnorm(q, weight, 1e-6)
     assert out.dtype == torch.float32 and out.shape == q.shape
-    torch.testing.assert_close(out, rmsnorm_reference(q, weight, 1e-6), atol=1e-5, rtol=1e-5)
+    # the normalised value is rounded to bf16 before the weight: where the sum of squares (added
+    # in another order) lands it on the other side of a rounding boundary, one bf16 unit apart
+    torch.testing.assert_close(out, rmsnorm_reference(q, weight, 1e-6), atol=1e-5, rtol=2 ** -7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,7 +86,7 @@ def test_rope_matches_layer(dtype, head_dim, num_heads, num_kv_heads, device):
     positions = torch.tensor([0, 1, 17, 900, 4095, 3], device=device)
     expected_q, expected_k = rotary(positions, q.clone(), k.clone())
     apply_rope_inplace(q, k, positions, rotary.cos_sin)
-    tol = tolerance(dtype) if dtype != torch.bfloat16 else dict(atol=1e-2, rtol=1e-2)
+    tol = _bitwise_or_interpreter(dtype, atol=4e-2)
     torch.testing.assert_close(q, expected_q, **tol)
     torch.testing.assert_close(k, expected_k, **tol)
     ref_q, ref_k = apply_rope_reference(q.clone(), k.clone(), positions, rotary.cos_sin)  # runs on its output

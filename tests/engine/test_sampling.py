@@ -1,0 +1,68 @@
+"""Sampling: seeded requests reproduce regardless of batch composition; filters behave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minfer import LLM, SamplingParams
+from minfer.engine.sampler import SamplingTensors, sample, uniform_noise
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from conftest import save_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-sampling")
+    save_tiny_model("qwen3", path)
+    return LLM(str(path), kv_cache_tokens=2048)
+
+
+def test_seed_reproducible_across_batches(llm):
+    target = [5, 6, 7, 8]
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate([target], [p], use_tqdm=False)[0].token_ids
+    others = [[1, 2], [9, 9, 9, 9, 9, 9], [100] * 30]
+    other_params = [SamplingParams(temperature=0.7, max_tokens=n, ignore_eos=True) for n in (3, 20, 7)]
+    mixed = llm.generate(others[:2] + [target] + others[2:], other_params[:2] + [p] + other_params[2:],
+                         use_tqdm=False)
+    assert mixed[2].token_ids == alone
+    different_seed = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=99, ignore_eos=True)
+    assert llm.generate([target], [different_seed], use_tqdm=False)[0].token_ids != alone
+
+
+def test_noise_is_uniform_and_keyed():
+    seeds = torch.tensor([1, 1, 2])
+    pos = torch.tensor([10, 11, 10])
+    u = uniform_noise(seeds, pos, 50_000)
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert torch.equal(u[0], uniform_noise(seeds[:1], pos[:1], 50_000)[0])
+
+
+def _tensors(params, vocab):
+    return SamplingTensors.build(params, list(range(len(params))), [0] * len(params), vocab, torch.device("cpu"))
+
+
+def test_filters_restrict_support():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 100)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=1.0, top_p=0.05), SamplingParams(temperature=1.0, min_p=0.9)]
+    top3 = logits[1].topk(3).indices.tolist()
+    for seed in range(50):
+        st = SamplingTensors.build(params, [seed] * 4, [seed] * 4, 100, torch.device("cpu"))
+        out = sample(logits, st).tolist()
+        assert out[0] == logits[0].argmax().item()
+        assert out[1] in top3
+        assert out[2] == logits[2].argmax().item()  # top-p this small keeps only the best token
+        assert out[3] == logits[3].argmax().item() or logits[3].softmax(-1)[out[3]] >= 0.9 * logits[3].softmax(-1).max()
+
+
+def test_sampled_distribution_matches_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(4000, 1)
+    st = SamplingTensors.build([SamplingParams(temperature=1.0)] * 4000, list(range(4000)), [0] * 4000, 4,
+                               torch.device("cpu"))
+    counts = torch.bincount(sample(logits, st), minlength=4).float() / 4000
+    assert torch.allclose(counts, logits[0].softmax(-1), atol=0.03)
