@@ -46,10 +46,22 @@ def make_attention_backend(name: str, device: torch.device):
 
 @dataclass
 class ForwardResult:
-    """Next tokens of the requests that sampled this pass (batch order), still on the device."""
+    """Next tokens of the requests that sampled this pass (indices into batch.reqs).
 
-    next_tokens: torch.Tensor
-    sampled_rows: list[int]  # indices into batch.reqs
+    The tokens are copied to the CPU asynchronously: `tokens()` waits for that copy only, so
+    the scheduler can prepare the next batch while the device still computes this one.
+    """
+
+    next_tokens: torch.Tensor  # on the device
+    sampled_rows: list[int]
+    _host: torch.Tensor | None = None
+    _ready: object | None = None  # a CUDA event recorded after the copy
+
+    def tokens(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+            return self._host.tolist()
+        return self.next_tokens.tolist()
 
 
 class Engine:
@@ -84,43 +96,66 @@ class Engine:
         self.kv_pool = KVPool(self.hf_config.num_hidden_layers, num_slots, self.num_kv_heads,
                               self.head_dim, page, self.dtype, self.device)
         self.page_table = PageTable(self.max_running_requests, self.max_model_len, self.device)
+        self.page_table.point_padding_row_at(self.kv_pool.scratch_slot)
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graph_max_bs > 0 and self.backend.name == "triton":
+            from minfer.engine.cuda_graph import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(self, min(config.cuda_graph_max_bs, self.max_running_requests))
         log.info("%s", self.memory.describe(self.max_model_len))
 
     # -- one forward pass ----------------------------------------------------------------------
     def forward_batch(self, batch: Batch) -> ForwardResult:
         """Run the model over the batch's new tokens and sample where a request completes its
-        known tokens (decode, or the last chunk of a prefill)."""
+        known tokens (decode, or the last chunk of a prefill). Returns without waiting for the
+        device; `ForwardResult.tokens()` waits."""
         reqs = batch.reqs
-        rows, positions, prefix_lens = [], [], []
-        for req, n in zip(reqs, batch.extend_lens):
-            rows.append(torch.full((n,), req.table_idx, dtype=torch.int64))
-            positions.append(torch.arange(req.cached_len, req.cached_len + n))
-            prefix_lens.append(req.cached_len)
-        rows_d = torch.cat(rows).to(self.device, non_blocking=True)
-        positions_d = torch.cat(positions).to(self.device, non_blocking=True)
-        input_ids = self.page_table.tokens[rows_d, positions_d].long()
-        meta = build_metadata([r.table_idx for r in reqs], prefix_lens, list(batch.extend_lens),
-                              self.page_table.slots, batch.phase == Phase.DECODE, self.device)
+        is_decode = batch.phase == Phase.DECODE
+        prefix_lens = [r.cached_len for r in reqs]
+        table_idx = [r.table_idx for r in reqs]
+        if is_decode:
+            positions = torch.tensor(prefix_lens, dtype=torch.int64)
+            rows = torch.tensor(table_idx, dtype=torch.int64)
+        else:
+            positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, batch.extend_lens)])
+            rows = torch.repeat_interleave(torch.tensor(table_idx, dtype=torch.int64),
+                                           torch.tensor(batch.extend_lens))
+        positions_d = positions.to(self.device, non_blocking=True)
+        input_ids = self.page_table.tokens[rows.to(self.device, non_blocking=True), positions_d].long()
         out_loc = batch.out_loc.to(self.device, non_blocking=True)
-        ctx = ForwardContext(meta, self.kv_pool, self.backend, out_loc)
+        sampled_rows = [i for i, s in enumerate(batch.sample_mask) if s]
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions_d, ctx)
-            sampled_rows = [i for i, s in enumerate(batch.sample_mask) if s]
-            if not sampled_rows:
-                return ForwardResult(torch.empty(0, dtype=torch.int64, device=self.device), [])
-            ends = meta.cu_extend_lens[1:].long() - 1
-            if len(sampled_rows) < len(reqs):
-                ends = ends[torch.tensor(sampled_rows, device=self.device)]
-            logits = self.model.compute_logits(hidden[ends])
+            if is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
+                logits = self.graphs.replay(input_ids, positions_d, out_loc, table_idx, prefix_lens)
+            else:
+                meta = build_metadata(table_idx, prefix_lens, list(batch.extend_lens), self.page_table.slots,
+                                      is_decode, self.device)
+                ctx = ForwardContext(meta, self.kv_pool, self.backend, out_loc)
+                hidden = self.model(input_ids, positions_d, ctx)
+                if not sampled_rows:
+                    return ForwardResult(torch.empty(0, dtype=torch.int64, device=self.device), [])
+                if not is_decode:
+                    ends = meta.cu_extend_lens[1:].long() - 1
+                    if len(sampled_rows) < len(reqs):
+                        ends = ends[torch.tensor(sampled_rows, device=self.device)]
+                    hidden = hidden[ends]
+                logits = self.model.compute_logits(hidden)
             chosen = [reqs[i] for i in sampled_rows]
             st = SamplingTensors.build([r.params for r in chosen], [r.seed for r in chosen],
                                        [r.device_len for r in chosen], self.vocab_size, self.device)
             next_tokens = sample(logits, st)
-            # The sampled token becomes known on the device at position device_len.
-            token_rows = torch.tensor([r.table_idx for r in chosen], device=self.device)
-            token_pos = torch.tensor([r.device_len for r in chosen], device=self.device)
+            # The sampled token becomes known on the device at position device_len, where the
+            # next decode step's input gather finds it without a trip through the CPU.
+            token_rows = torch.tensor([r.table_idx for r in chosen]).to(self.device, non_blocking=True)
+            token_pos = torch.tensor([r.device_len for r in chosen]).to(self.device, non_blocking=True)
             self.page_table.tokens[token_rows, token_pos] = next_tokens.to(torch.int32)
-        return ForwardResult(next_tokens, sampled_rows)
+        result = ForwardResult(next_tokens, sampled_rows)
+        if self.device.type == "cuda":
+            result._host = torch.empty(next_tokens.shape, dtype=next_tokens.dtype, pin_memory=True)
+            result._host.copy_(next_tokens, non_blocking=True)
+            result._ready = torch.cuda.Event()
+            result._ready.record()
+        return result
 
 
 def _device_memory_in_use(device: torch.device) -> int:

@@ -58,6 +58,7 @@ class KVManager:
     def admit(self, req: Req) -> None:
         """Give the request a row, its tokens on the device, and any cached prefix."""
         req.table_idx = self.page_table.take_row()
+        req.device_len = len(req.token_ids)  # a resumed request continues from every known token
         self.page_table.write_tokens(req.table_idx, 0, req.token_ids[:req.device_len])
         # Leave at least one token to compute: its logits give the first sampled token.
         match = self.prefix_cache.match(req.token_ids[:req.device_len - 1])
@@ -99,13 +100,22 @@ class KVManager:
         return out_loc
 
     def release(self, req: Req) -> None:
-        """A request leaves: its cached positions go to the prefix cache, the rest is freed."""
+        """A request leaves (finished, aborted or preempted): the positions whose K/V and token
+        are both known go to the prefix cache, every other slot goes back to the allocator.
+
+        In overlap mode the pool may hold K/V one step ahead of the tokens the CPU has seen
+        (a pass still in flight); a finished request's last sampled token never keeps a slot,
+        so its final state is cached_len = prompt + output - 1 as DESIGN.md defines.
+        """
         ps = self.page_size
-        slots = self.page_table.row_slots(req.table_idx, req.cached_len).tolist()
-        aligned = (req.cached_len // ps) * ps
+        allocated = req.cached_len
+        keep = min(allocated, len(req.token_ids) - (1 if req.finished else 0))
+        slots = self.page_table.row_slots(req.table_idx, allocated).tolist()
+        aligned = (keep // ps) * ps
         self.prefix_cache.insert(req.token_ids[:aligned], slots[:aligned], req.cache_handle)
-        if aligned < req.cached_len:  # the tail page is not shareable: it is partly filled
-            self.allocator.free([slots[aligned] // ps])
+        if aligned < allocated:  # a partly filled tail page, or K/V of tokens the CPU never saw
+            self.allocator.free(self.allocator.pages_of_slots(slots[aligned:]))
+        req.cached_len = keep
         req.cache_handle = None
         self.page_table.give_back_row(req.table_idx)
         req.table_idx = -1

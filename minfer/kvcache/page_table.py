@@ -17,10 +17,16 @@ class PageTable:
         self.max_rows = max_rows
         self.max_len = max_len
         self.device = device
-        self.slots = torch.zeros((max_rows, max_len), dtype=torch.int32, device=device)
-        self.tokens = torch.zeros((max_rows, max_len), dtype=torch.int32, device=device)
-        self.slots_cpu = torch.zeros((max_rows, max_len), dtype=torch.int32)
+        # One extra row, never handed out: padded rows of a CUDA-graph batch read it.
+        self.padding_row = max_rows
+        self.slots = torch.zeros((max_rows + 1, max_len), dtype=torch.int32, device=device)
+        self.tokens = torch.zeros((max_rows + 1, max_len), dtype=torch.int32, device=device)
+        self.slots_cpu = torch.zeros((max_rows + 1, max_len), dtype=torch.int32)
         self._free_rows = list(range(max_rows - 1, -1, -1))
+
+    def point_padding_row_at(self, slot: int) -> None:
+        self.slots[self.padding_row].fill_(slot)
+        self.slots_cpu[self.padding_row].fill_(slot)
 
     @property
     def num_free_rows(self) -> int:

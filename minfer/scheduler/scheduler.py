@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from minfer.config import EngineConfig
 from minfer.core import Batch, InvalidRequestError, Phase, Req, SamplingParams
-from minfer.engine.engine import Engine
+from minfer.engine.engine import Engine, ForwardResult
 from minfer.kvcache.manager import KVManager
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class Scheduler:
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
         self.by_uid: dict[int, Req] = {}
+        self.in_flight: tuple[Batch, ForwardResult] | None = None  # launched, tokens not read yet
         self.counters = SchedulerCounters()
         self._seed_source = random.Random(self.config.seed)
         self._uids = itertools.count()
@@ -108,20 +109,14 @@ class Scheduler:
         req = self.by_uid.get(uid)
         if req is None:
             return None
-        if req in self.waiting:
-            self.waiting.remove(req)
-        else:
-            for queue in (self.prefilling, self.running):
-                if req in queue:
-                    queue.remove(req)
-            self.kv.release(req)
-        req.finish_reason = "abort"
-        del self.by_uid[uid]
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+        self.finish(req, "abort")
         return StepOutput(uid, None, "abort")
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self.in_flight)
 
     # -- scheduling ----------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
@@ -171,41 +166,78 @@ class Scheduler:
         return batch
 
     def schedule_decode(self) -> Batch | None:
-        if not self.running:
+        # A request whose in-flight step (overlap mode) reaches max_tokens needs no more steps.
+        reqs = [r for r in self.running if r.device_len - r.prompt_len < r.params.max_tokens]
+        if not reqs:
             return None
-        # Each running request needs a slot for its newest token; free some by preemption,
-        # half-prefilled requests first, then the newest running ones. The oldest always fits
-        # alone (add_request checks prompt + max_tokens against the pool).
-        while not self.kv.reserve_pages(sum(self.kv.pages_needed(r, 1) for r in self.running)):
-            self.preempt(self.prefilling[-1] if self.prefilling else self.running[-1])
-            if not self.running:
+        # Each request needs a slot for its newest token; free some by preemption, half-
+        # prefilled requests first, then the newest running ones. The oldest always fits alone
+        # (add_request checks prompt + max_tokens against the pool).
+        while not self.kv.reserve_pages(sum(self.kv.pages_needed(r, 1) for r in reqs)):
+            victim = self.prefilling[-1] if self.prefilling else reqs[-1]
+            self.preempt(victim)
+            if victim in reqs:
+                reqs.remove(victim)
+            if not reqs:
                 return None
-        batch = Batch(Phase.DECODE, list(self.running), [1] * len(self.running))
-        batch.sample_mask = [True] * len(self.running)
+        batch = Batch(Phase.DECODE, reqs, [1] * len(reqs))
+        batch.sample_mask = [True] * len(reqs)
         return batch
 
     def preempt(self, req: Req) -> None:
-        """Send the newest running request back to the front of the queue, keeping its tokens;
-        its KV goes to the prefix cache (so resuming may reuse it) or back to the pool."""
+        """Send a request back to the front of the queue, keeping its tokens; its KV goes to the
+        prefix cache (so resuming may reuse it) or back to the pool."""
         (self.prefilling if req in self.prefilling else self.running).remove(req)
         self.kv.release(req)
         req.cached_len = 0
-        req.device_len = len(req.token_ids)
         self.waiting.appendleft(req)
         self.counters.preemptions += 1
         log.debug("preempted request %d at %d tokens", req.uid, req.device_len)
 
     # -- one step ------------------------------------------------------------------------------
+    @property
+    def overlap(self) -> bool:
+        # Also on by default on CPU, where nothing runs concurrently but the same code path is tested.
+        return not self.config.disable_overlap_schedule
+
     def step(self) -> list[StepOutput]:
+        """One turn of the loop: schedule and launch a batch, then read the previous batch's tokens.
+
+        Request lengths advance when a batch is launched, so the next batch can be scheduled
+        before this one's tokens reach the CPU (overlap mode: the CPU work of step N+1 runs
+        while the device computes step N). Without overlap, a batch is read right after launch.
+        """
         start = time.perf_counter()
         batch = self.schedule()
-        if batch is None:
-            return []
-        batch.out_loc = self.kv.allocate(batch.reqs, batch.extend_lens)
-        result = self.engine.forward_batch(batch)
-        outputs = self.process(batch, result.next_tokens.tolist(), result.sampled_rows)
-        self._count_step(batch, time.perf_counter() - start)
+        launched = None
+        if batch is not None:
+            batch.out_loc = self.kv.allocate(batch.reqs, batch.extend_lens)
+            launched = (batch, self.engine.forward_batch(batch))
+            self.advance(batch)
+        outputs = []
+        if self.in_flight is not None:
+            outputs = self.process(*self.in_flight)
+            self.in_flight = None
+        if launched is not None:
+            if self.overlap:
+                self.in_flight = launched
+            else:
+                outputs += self.process(*launched)
+            self._count_step(batch, time.perf_counter() - start)
         return outputs
+
+    def advance(self, batch: Batch) -> None:
+        """The launched pass computes each request's K/V for its chunk and (where it samples) one
+        more token, now known on the device."""
+        for req, n, sampled in zip(batch.reqs, batch.extend_lens, batch.sample_mask):
+            req.cached_len += n
+            if batch.phase == Phase.PREFILL:
+                self.counters.prefill_tokens_computed += n
+            if sampled:
+                req.device_len += 1
+                if batch.phase == Phase.PREFILL:
+                    self.prefilling.remove(req)
+                    self.running.append(req)
 
     def _count_step(self, batch: Batch, seconds: float) -> None:
         c = self.counters
@@ -217,30 +249,31 @@ class Scheduler:
             c.decode_batch_total += batch.size
             c.decode_seconds += seconds
 
-    def process(self, batch: Batch, next_tokens: list[int], sampled_rows: list[int]) -> list[StepOutput]:
+    def process(self, batch: Batch, result: ForwardResult) -> list[StepOutput]:
+        """Tokens of a finished pass reach the CPU: append them, decide which requests end."""
         outputs = []
-        token_of = dict(zip(sampled_rows, next_tokens))
-        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
-            req.cached_len += n
-            if batch.phase == Phase.PREFILL:
-                self.counters.prefill_tokens_computed += n
-            if i not in token_of:
-                continue  # a prompt chunk that is not the last: nothing sampled yet
-            token = token_of[i]
+        for i, token in zip(result.sampled_rows, result.tokens()):
+            req = batch.reqs[i]
+            if req.finished:
+                continue  # aborted, or ended by the previous pass while this one was in flight
             req.token_ids.append(token)
-            req.device_len += 1
             self.counters.generation_tokens += 1
-            if batch.phase == Phase.PREFILL:
-                self.prefilling.remove(req)
-                self.running.append(req)
             reason, stop_reason = self.finish_reason(req, token)
             if reason:
-                req.finish_reason = reason
-                self.running.remove(req)
-                self.kv.release(req)
-                del self.by_uid[req.uid]
+                self.finish(req, reason)
             outputs.append(StepOutput(req.uid, token, reason, stop_reason))
         return outputs
+
+    def finish(self, req: Req, reason: str) -> None:
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:  # preempted while its last pass was in flight
+            self.waiting.remove(req)
+        if req.table_idx >= 0:
+            self.kv.release(req)
+        req.device_len = len(req.token_ids)  # forget a pass launched after the end (overlap)
+        del self.by_uid[req.uid]
 
     def finish_reason(self, req: Req, token: int) -> tuple[str | None, int | None]:
         p = req.params

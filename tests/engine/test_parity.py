@@ -15,14 +15,15 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_greedy_matches_transformers(tiny_model, page_size):
+@pytest.mark.parametrize("page_size,overlap", [(1, True), (16, False)])
+def test_greedy_matches_transformers(tiny_model, page_size, overlap):
     arch, path, hf = tiny_model
     # 70 tokens with a 24-token chunk budget: the long prompt spans three prefill steps.
     prompts = _prompts(1, [5, 70, 17, 1, 33])
     max_tokens = 12
     expected = [hf_greedy(hf, p, max_tokens) for p in prompts]
-    llm = LLM(path, page_size=page_size, chunked_prefill_size=24, kv_cache_tokens=1024)
+    llm = LLM(path, page_size=page_size, chunked_prefill_size=24, kv_cache_tokens=1024,
+              disable_overlap_schedule=not overlap)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                         use_tqdm=False)
     for out, exp in zip(outs, expected):

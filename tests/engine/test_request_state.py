@@ -13,7 +13,8 @@ def llm(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny-state")
     save_tiny_model("llama", path)
-    return LLM(str(path), kv_cache_tokens=256, chunked_prefill_size=64)
+    # Without overlap, each step's tokens are read in the same step: lengths can be checked per step.
+    return LLM(str(path), kv_cache_tokens=256, chunked_prefill_size=64, disable_overlap_schedule=True)
 
 
 def test_three_lengths_through_prefill_and_decode(llm):
@@ -59,3 +60,21 @@ def test_all_slots_return_after_many_requests(llm):
     kv = llm.scheduler.kv
     assert kv.allocator.num_free_pages + kv.prefix_cache.cached_pages == kv.num_pages
     assert kv.page_table.num_free_rows == kv.page_table.max_rows
+
+
+def test_overlap_final_state_and_slots(tmp_path):
+    """With overlap, a request that stops on a stop token was already in the next pass; that
+    pass's slot is returned and the final state is still prompt + output - 1."""
+    from conftest import save_tiny_model
+
+    save_tiny_model("llama", tmp_path)
+    llm = LLM(str(tmp_path), kv_cache_tokens=256, cache="naive")
+    sched = llm.scheduler
+    probe = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    stop_at = probe[0].token_ids[2]
+    req = sched.add_request([3, 4, 5], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_at]))
+    while sched.has_work:
+        sched.step()
+    assert req.finish_reason == "stop" and req.output_ids == probe[0].token_ids[:3]
+    assert (req.cached_len, req.device_len) == (3 + 3 - 1, 3 + 3)
+    assert sched.kv.allocator.num_free_pages == sched.kv.num_pages

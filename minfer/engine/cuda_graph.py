@@ -1,0 +1,101 @@
+"""CUDA graphs for decode steps.
+
+A decode step of a small model is hundreds of short kernel launches; replaying a captured
+graph issues them all at once. Graphs are captured for a ladder of batch sizes up to
+`--cuda-graph-max-bs`; a batch runs in the smallest captured size that holds it, padded.
+Padded rows read a reserved page-table row and write their K/V to the pool's scratch page,
+so they never touch a real request's cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from minfer.attention.base import AttentionMetadata, ForwardContext
+
+log = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_bs] + list(range(16, max_bs + 1, 16))
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+class CudaGraphRunner:
+    def __init__(self, engine, max_bs: int):
+        self.engine = engine
+        self.device = engine.device
+        self.batch_sizes = graph_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1]
+        dev = self.device
+        self.scratch_slot = engine.kv_pool.scratch_slot
+        self.padding_row = engine.page_table.padding_row
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.out_loc = torch.full((self.max_bs,), self.scratch_slot, dtype=torch.int64, device=dev)
+        # Row 0: page-table row per request; row 1: sequence length after this step.
+        self.meta = torch.tensor([[self.padding_row] * self.max_bs, [1] * self.max_bs], dtype=torch.int32,
+                                 device=dev)
+        self.zeros = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
+        self.cu = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.capture()
+
+    def _context(self, bs: int) -> ForwardContext:
+        meta = AttentionMetadata(
+            is_decode=True, table_idx=self.meta[0, :bs], prefix_lens=self.zeros[:bs], seq_lens=self.meta[1, :bs],
+            cu_extend_lens=self.cu[:bs + 1], page_table=self.engine.page_table.slots,
+            prefix_lens_cpu=[0] * bs, extend_lens_cpu=[1] * bs, max_seq_len=self.engine.max_model_len,
+            max_extend_len=1)
+        return ForwardContext(meta, self.engine.kv_pool, self.engine.backend, self.out_loc[:bs])
+
+    def _run(self, bs: int) -> torch.Tensor:
+        model = self.engine.model
+        hidden = model(self.input_ids[:bs], self.positions[:bs], self._context(bs))
+        return model.compute_logits(hidden)
+
+    def capture(self) -> None:
+        start = time.perf_counter()
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory
+                self._run(bs)  # warm-up outside the graph: compiles kernels, settles allocations
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[bs] = self._run(bs)
+                self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+        log.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s using %.2f GiB", len(self.graphs),
+                 self.batch_sizes[0], self.max_bs, self.capture_seconds, self.memory_bytes / (1 << 30))
+
+    def can_run(self, batch_size: int) -> bool:
+        return batch_size <= self.max_bs
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
+               table_idx: list[int], prefix_lens: list[int]) -> torch.Tensor:
+        n = len(table_idx)
+        bs = next(s for s in self.batch_sizes if s >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.out_loc[:n].copy_(out_loc)
+        if bs > n:  # stale slots from a larger batch must not receive padded rows' K/V
+            self.out_loc[n:bs].fill_(self.scratch_slot)
+        pad = bs - n
+        # Pageable (not pinned) host memory: the copy is staged before this call returns, so the
+        # CPU may build the next step's metadata while this one is still queued.
+        host = torch.tensor([table_idx + [self.padding_row] * pad, [p + 1 for p in prefix_lens] + [1] * pad],
+                            dtype=torch.int32)
+        self.meta[:, :bs].copy_(host, non_blocking=True)
+        self.graphs[bs].replay()
+        return self.logits[bs][:n]
