@@ -13,7 +13,7 @@ from minfer.models.registry import UnsupportedModelError
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    from conftest import save_tiny_model
+    from tiny_models import save_tiny_model
 
     path = tmp_path_factory.mktemp("tiny-errors")
     save_tiny_model("llama", path)

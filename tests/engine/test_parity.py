@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conftest import hf_greedy
+from tiny_models import hf_greedy
 from minfer import LLM, SamplingParams
 
 

@@ -9,7 +9,7 @@ from minfer import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from conftest import save_tiny_model
+    from tiny_models import save_tiny_model
 
     path = tmp_path_factory.mktemp("tiny-state")
     save_tiny_model("llama", path)
@@ -65,7 +65,7 @@ def test_all_slots_return_after_many_requests(llm):
 def test_overlap_final_state_and_slots(tmp_path):
     """With overlap, a request that stops on a stop token was already in the next pass; that
     pass's slot is returned and the final state is still prompt + output - 1."""
-    from conftest import save_tiny_model
+    from tiny_models import save_tiny_model
 
     save_tiny_model("llama", tmp_path)
     llm = LLM(str(tmp_path), kv_cache_tokens=256, cache="naive")

@@ -11,7 +11,7 @@ from minfer.engine.sampler import SamplingTensors, sample, uniform_noise
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from conftest import save_tiny_model
+    from tiny_models import save_tiny_model
 
     path = tmp_path_factory.mktemp("tiny-sampling")
     save_tiny_model("qwen3", path)

@@ -1,0 +1,55 @@
+"""Tiny random Hugging Face models (built from a config, saved with save_pretrained) and the
+transformers reference generation the engine is compared with."""
+
+from __future__ import annotations
+
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+def tiny_hf_config(arch: str, **overrides):
+    import transformers
+
+    kw = dict(TINY, **overrides)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**kw, tie_word_embeddings=False,
+                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 64})
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**kw, tie_word_embeddings=True)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**kw, head_dim=32, tie_word_embeddings=True)
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**kw, sliding_window=None, tie_word_embeddings=False)
+    else:
+        raise ValueError(arch)
+    return cfg
+
+
+def save_tiny_model(arch: str, path, seed: int = 0, **overrides):
+    """Build a random model of `arch` from a config, save it, return the HF model (float32, eval)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(arch, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # random init leaves norms at 1; perturb so q/k norm and biases matter
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
