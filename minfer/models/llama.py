@@ -38,7 +38,7 @@ def head_dim_of(cfg) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, layer_id: int, tp: TPGroup, max_positions: int, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg, layer_id: int, tp: TPGroup, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         d = head_dim_of(cfg)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(d, max_positions, rope_parameters(cfg))
+        self.rotary = rotary  # one cos/sin table shared by all layers
         self.attn = PagedAttention(layer_id, self.num_heads, self.num_kv_heads, d)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -73,9 +73,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_id: int, tp: TPGroup, max_positions: int, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg, layer_id: int, tp: TPGroup, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, tp, max_positions, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(cfg, layer_id, tp, rotary, qkv_bias, qk_norm)
         self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -95,8 +95,9 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg, tp: TPGroup, max_positions: int, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        rotary = RotaryEmbedding(head_dim_of(cfg), max_positions, rope_parameters(cfg))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, tp, max_positions, qkv_bias, qk_norm) for i in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, i, tp, rotary, qkv_bias, qk_norm) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, ctx):

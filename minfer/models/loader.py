@@ -119,15 +119,14 @@ def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights of realistic scale: speed does not depend on the values, but NaNs would
-    hide bugs and zeros can run faster than real data."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    for name, p in model.named_parameters():
+    """Random weights of realistic scale, drawn on the model's device: speed does not depend on
+    the values, but NaNs would hide bugs and zeros can run faster than real data."""
+    for i, (name, p) in enumerate(model.named_parameters()):
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         else:
-            cpu = torch.empty(p.shape, dtype=torch.float32).normal_(0, 0.02, generator=gen)
-            p.data.copy_(cpu.to(p.dtype))
+            gen = torch.Generator(device=p.device).manual_seed(seed * 100_003 + i)
+            p.data.normal_(0, 0.02, generator=gen)
 
 
 def build_model(source: ModelSource, hf_config, dtype: torch.dtype, device: torch.device,
