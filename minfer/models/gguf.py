@@ -51,7 +51,7 @@ ARCHITECTURES = {
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 # Architectures whose Q/K rows llama.cpp's converter permutes (see `unpermute_qk`).
-PERMUTED_QK = set()
+PERMUTED_QK = {"llama"}
 
 TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {  # blk.N.<key> -> model.layers.N.<value>
