@@ -51,15 +51,49 @@ def bench(model: str, rows: list[str], extra: list[str]) -> None:
     rows.append(f"bench {model} {' '.join(extra)} ({time.time() - start:.0f} s incl. load): " + " | ".join(lines))
 
 
+def profile(model: str, rows: list[str]) -> None:
+    """Where a step's time goes: torch.profiler over prefill steps and steady decode steps."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from minfer import LLM
+    from minfer.bench.offline import make_workload
+
+    llm = LLM(model, load_format="dummy")
+    prompts, params = make_workload()
+    sched = llm.scheduler
+    for p, sp in zip(prompts, params):
+        sched.add_request([t % llm.engine.vocab_size for t in p], sp)
+    for phase, steps in (("prefill", 3), ("decode", 30)):
+        while phase == "decode" and (sched.waiting or sched.prefilling):
+            sched.step()
+        for _ in range(5):
+            sched.step()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                sched.step()
+            torch.cuda.synchronize()
+            per_step = (time.perf_counter() - t0) / steps
+        print(f"==== {phase}: {per_step * 1e3:.2f} ms/step, running {len(sched.running)}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+        rows.append(f"profile {model} {phase}: {per_step * 1e3:.2f} ms/step (running {len(sched.running)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--bench", default="qwen3-0.6b,llama-3.1-8b")
     ap.add_argument("--bench-args", default="")
+    ap.add_argument("--profile", default="", help="model to profile (e.g. qwen3-0.6b)")
     args = ap.parse_args()
     rows: list[str] = []
     if not args.skip_parity:
         parity(rows)
+    if args.profile:
+        profile(args.profile, rows)
     for model in filter(None, args.bench.split(",")):
         bench(model, rows, args.bench_args.split())
     print("\n==== summary ====")
