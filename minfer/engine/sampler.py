@@ -88,6 +88,10 @@ def _apply_filters(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B] int64."""
+    if logits.is_cuda and not (st.any_top_k or st.any_top_p or st.any_min_p):
+        from minfer.kernels.sampling import gumbel_argmax
+
+        return gumbel_argmax(logits, st.temperature, st.seeds, st.positions)
     greedy_tokens = logits.argmax(dim=-1)
     if st.all_greedy:
         return greedy_tokens

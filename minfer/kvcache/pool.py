@@ -29,5 +29,10 @@ class KVPool:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor) -> None:
         """Write step of the KV life cycle: new K/V of this pass go to their allocated slots."""
+        if k.is_cuda:
+            from minfer.kernels.kv_store import store_kv
+
+            store_kv(self.k[layer], self.v[layer], k, v, out_loc)
+            return
         self.k[layer][out_loc] = k
         self.v[layer][out_loc] = v

@@ -7,5 +7,9 @@ import torch.nn.functional as F
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        from minfer.kernels.activation import silu_and_mul as fused
+
+        return fused(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

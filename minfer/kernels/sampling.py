@@ -1,0 +1,64 @@
+"""Fused sampling: temperature + Gumbel-max over the whole vocabulary in one pass per row.
+
+The torch sampler (minfer/engine/sampler.py) builds the [B, V] noise with a dozen integer
+kernels, each a full pass over B x V values (3.3 ms of a 13 ms decode step at B=256 on an
+H200, measured). This kernel computes the same hash, noise and argmax while reading each
+logit once. It draws exactly the torch sampler's noise, so both paths pick the same tokens
+(up to float rounding in log()). Rows with temperature 0 take the plain argmax.
+Top-k / top-p / min-p rows are left to the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_M32 = 0xFFFFFFFF
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(logits_ptr, stride_row, temperature_ptr, seeds_ptr, positions_ptr, out_ptr,
+                          vocab_size, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    temperature = tl.load(temperature_ptr + row)
+    seed = tl.load(seeds_ptr + row).to(tl.int64)
+    position = tl.load(positions_ptr + row).to(tl.int64)
+    row_key = _mix32((seed * 0x9E3779B1 + position * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF)
+    inv_t = 1.0 / tl.where(temperature > 0, temperature, 1.0)
+    best_val = float("-inf")
+    best_idx = 0
+    for start in range(0, vocab_size, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < vocab_size
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask, other=float("-inf"))
+        if temperature > 0:
+            bits = _mix32(((row_key ^ ((cols.to(tl.int64) * 0x27D4EB2F) & 0xFFFFFFFF)) + 0x61C88647) & 0xFFFFFFFF)
+            u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            x = x * inv_t - tl.log(-tl.log(u))
+            x = tl.where(mask, x, float("-inf"))
+        block_max = tl.max(x, 0)
+        if block_max > best_val:
+            best_val = block_max
+            best_idx = start + tl.argmax(x, 0)
+    tl.store(out_ptr + row, best_idx.to(tl.int64))
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float32 (last dim contiguous) -> sampled token ids [B] int64."""
+    batch, vocab = logits.shape
+    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch:
+        _gumbel_argmax_kernel[(batch,)](logits, logits.stride(0), temperature, seeds, positions, out, vocab,
+                                        BLOCK=2048, num_warps=8)
+    return out
