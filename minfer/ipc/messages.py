@@ -1,0 +1,150 @@
+"""Every message that crosses a process boundary, as msgspec structs.
+
+The three processes form a ring, so each has one inbox (a PULL socket it binds):
+
+    api server ──▶ tokenizer ──▶ scheduler
+        ▲              │ ◀──────────┘
+        └──────────────┘
+
+Everything the api server sends goes to the tokenizer worker, which answers tokenizer calls
+itself and forwards the rest (tokenized requests, aborts, info queries) to the scheduler in the
+order it received them: an abort can never overtake the request it aborts. Everything the
+scheduler sends goes back through the tokenizer worker, which detokenizes token outputs and
+forwards the rest to the api server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from minfer.core import SamplingParams
+
+
+class Message(msgspec.Struct, tag=True, kw_only=True):
+    """Base of all messages; the class name is the wire tag."""
+
+
+# -- api server -> tokenizer -------------------------------------------------------------------
+class GenerateRequest(Message):
+    """A generation request; exactly one of prompt / prompt_ids / messages is set."""
+
+    uid: int
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # chat: rendered with the model's chat template
+    add_special_tokens: bool = True  # for `prompt` only; chat prompts carry their own
+    max_tokens_auto: bool = False  # max_tokens not given: fill the context (the scheduler knows it)
+
+
+class AbortRequest(Message):
+    uid: int
+
+
+class TokenizerCall(Message):
+    """/tokenize, /detokenize and /tokenizer_info, answered by the tokenizer worker."""
+
+    call_id: int
+    kind: str  # "encode" | "decode" | "info"
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    token_ids: list[int] | None = None
+    return_token_strs: bool = False
+
+
+class InfoQuery(Message):
+    """Live scheduler state for /v1/server_info."""
+
+    call_id: int
+
+
+# -- tokenizer -> scheduler --------------------------------------------------------------------
+class TokenizedRequest(Message):
+    uid: int
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens_auto: bool = False
+
+
+# -- scheduler -> tokenizer --------------------------------------------------------------------
+class TokenOutputs(Message):
+    """One scheduler step's results, as parallel lists (one entry per request that advanced)."""
+
+    uids: list[int]
+    token_ids: list[int | None]  # None: the request ended without a new token (abort)
+    finish_reasons: list[str | None]
+    stop_reasons: list[int | None]
+
+
+class RequestFailed(Message):
+    """A request that cannot be served (validation); the status is the HTTP one to answer."""
+
+    uid: int
+    message: str
+    param: str | None = None
+    status: int = 400
+
+
+class InfoReply(Message):
+    call_id: int
+    info: dict[str, Any]
+
+
+class WorkerReady(Message):
+    """A worker finished starting; `info` describes what it loaded."""
+
+    role: str  # "scheduler" | "tokenizer"
+    pid: int
+    info: dict[str, Any]
+
+
+class WorkerFailed(Message):
+    """A worker could not start (bad model path, ...); it exits after sending this."""
+
+    role: str
+    message: str
+
+
+# -- tokenizer -> api server -------------------------------------------------------------------
+class Reply(msgspec.Struct, array_like=True):
+    """New text of one request. `text` is a delta: it never changes once sent."""
+
+    uid: int
+    text: str
+    token_ids: list[int]  # the tokens this reply covers
+    prompt_tokens: int
+    completion_tokens: int  # cumulative
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+class ReplyBatch(Message):
+    replies: list[Reply]
+
+
+class TokenizerResult(Message):
+    call_id: int
+    token_ids: list[int] | None = None
+    token_strs: list[str] | None = None
+    text: str | None = None
+    info: dict[str, Any] | None = None
+    error: str | None = None
+
+
+AnyMessage = (GenerateRequest | AbortRequest | TokenizerCall | InfoQuery | TokenizedRequest | TokenOutputs
+              | RequestFailed | InfoReply | WorkerReady | WorkerFailed | ReplyBatch | TokenizerResult)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)

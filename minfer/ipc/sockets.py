@@ -1,0 +1,59 @@
+"""ZeroMQ plumbing: where each process's inbox lives and how sockets are made.
+
+Each process binds one PULL socket (its inbox) and connects PUSH sockets to the inboxes it
+sends to. Sockets are unix-domain (`ipc://`) in a private temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import zmq
+
+from minfer.ipc.messages import Message, decode, encode
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """The inbox address of each process."""
+
+    api: str
+    tokenizer: str
+    scheduler: str
+
+    @classmethod
+    def in_dir(cls, directory: str) -> Endpoints:
+        return cls(*(f"ipc://{os.path.join(directory, name)}" for name in ("api", "tokenizer", "scheduler")))
+
+
+def inbox(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 0)  # never drop or block: queues are bounded by admitted requests
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    return sock
+
+
+def outbox(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def send(sock: zmq.Socket, msg: Message) -> None:
+    sock.send(encode(msg), copy=False)
+
+
+def recv_ready(sock: zmq.Socket, timeout_ms: int = 0) -> list[Message]:
+    """Every message waiting in `sock`, waiting up to `timeout_ms` for the first (-1: forever)."""
+    if not sock.poll(timeout_ms, zmq.POLLIN):
+        return []
+    msgs = []
+    while True:
+        try:
+            msgs.append(decode(sock.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return msgs

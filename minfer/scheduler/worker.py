@@ -1,0 +1,116 @@
+"""The scheduler process: the engine and its scheduler behind a ZeroMQ inbox.
+
+Loop: take every message waiting (without blocking while requests run; blocking up to a second
+when idle, to notice a dead parent) -> one scheduler step -> send its tokens to the detokenizer.
+Requests join and leave between steps, so an abort frees its KV before the next forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import zmq
+
+from minfer.config import EngineConfig
+from minfer.core import InvalidRequestError
+from minfer.ipc import messages as m
+from minfer.ipc.process import parent_alive, setup_worker_process
+from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
+
+if TYPE_CHECKING:  # the api server imports this module to spawn it; torch loads in the child only
+    from minfer.scheduler.scheduler import Scheduler, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerLoop:
+    """Message handling around a Scheduler, separate from the sockets so tests can drive it."""
+
+    def __init__(self, scheduler: Scheduler, send_out):
+        self.scheduler = scheduler
+        self.send_out = send_out
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt + max_tokens a request may have: the context, or the KV pool if smaller."""
+        sched = self.scheduler
+        pool_tokens = (sched.kv.num_pages - sched.decode_reserve_pages) * sched.config.page_size
+        return min(sched.engine.max_model_len, pool_tokens)
+
+    def handle(self, msg: m.Message) -> None:
+        if isinstance(msg, m.TokenizedRequest):
+            self.add(msg)
+        elif isinstance(msg, m.AbortRequest):
+            out = self.scheduler.abort(msg.uid)
+            if out is not None:
+                self.send_outputs([out])
+        elif isinstance(msg, m.InfoQuery):
+            self.send_out(m.InfoReply(call_id=msg.call_id, info=self.live_info()))
+        else:
+            log.warning("scheduler ignored an unexpected %s", type(msg).__name__)
+
+    def add(self, msg: m.TokenizedRequest) -> None:
+        params = msg.params
+        if msg.max_tokens_auto:
+            params.max_tokens = max(1, self.max_request_tokens - len(msg.token_ids))
+        try:
+            self.scheduler.add_request(msg.token_ids, params, uid=msg.uid)
+        except InvalidRequestError as e:
+            self.send_out(m.RequestFailed(uid=msg.uid, message=str(e), param=e.param))
+
+    def step(self) -> None:
+        outputs = self.scheduler.step()
+        if outputs:
+            self.send_outputs(outputs)
+
+    def send_outputs(self, outputs: list[StepOutput]) -> None:
+        self.send_out(m.TokenOutputs(uids=[o.uid for o in outputs], token_ids=[o.token_id for o in outputs],
+                                     finish_reasons=[o.finish_reason for o in outputs],
+                                     stop_reasons=[o.stop_reason for o in outputs]))
+
+    def startup_info(self) -> dict:
+        engine = self.scheduler.engine
+        return {"model": engine.source.name, "max_model_len": engine.max_model_len,
+                "vocab_size": engine.vocab_size, "device": str(engine.device), "dtype": str(engine.dtype),
+                "max_running_requests": engine.max_running_requests,
+                "eos_token_ids": sorted(engine.eos_token_ids),
+                "memory": engine.memory.as_dict(), "memory_line": engine.memory.describe(engine.max_model_len)}
+
+    def live_info(self) -> dict:
+        sched, kv = self.scheduler, self.scheduler.kv
+        return {
+            "kv_pool": {"page_size": kv.page_size, "total_pages": kv.num_pages,
+                        "free_pages": kv.allocator.num_free_pages, "cached_pages": kv.prefix_cache.cached_pages,
+                        "used_pages": kv.used_pages},
+            "requests": {"waiting": len(sched.waiting), "prefilling": len(sched.prefilling),
+                         "running": len(sched.running)},
+            "counters": dataclasses.asdict(sched.counters),
+        }
+
+
+def run_scheduler_worker(config: EngineConfig, endpoints: Endpoints, parent_pid: int) -> None:
+    """Entry point of the scheduler process (started by server/launch.py)."""
+    setup_worker_process("minfer-scheduler", config.log_level)
+    ctx = zmq.Context()
+    sock = inbox(ctx, endpoints.scheduler)
+    to_tokenizer = outbox(ctx, endpoints.tokenizer)
+    try:
+        from minfer.engine.engine import Engine
+        from minfer.scheduler.scheduler import Scheduler
+
+        scheduler = Scheduler(Engine(config))
+    except Exception as e:
+        log.exception("the engine failed to start")
+        send(to_tokenizer, m.WorkerFailed(role="scheduler", message=f"{type(e).__name__}: {e}"))
+        to_tokenizer.close(linger=2000)  # deliver the failure before exiting
+        raise SystemExit(1)
+    loop = SchedulerLoop(scheduler, lambda msg: send(to_tokenizer, msg))
+    send(to_tokenizer, m.WorkerReady(role="scheduler", pid=os.getpid(), info=loop.startup_info()))
+    while parent_alive(parent_pid):
+        for msg in recv_ready(sock, timeout_ms=0 if scheduler.has_work else 1000):
+            loop.handle(msg)
+        if scheduler.has_work:
+            loop.step()

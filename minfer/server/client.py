@@ -1,0 +1,158 @@
+"""The api server's side of the ZeroMQ ring: submit requests, receive their text, abort them.
+
+One asyncio task reads the inbox and routes each message: replies to the queue of the HTTP
+request that owns the uid, answers of calls (tokenizer calls, info queries) to their futures.
+Sending is a plain non-blocking ZeroMQ send, so it is safe from a `finally` of a cancelled task
+(a client that went away still gets its request aborted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from minfer.ipc import messages as m
+from minfer.ipc.sockets import send
+from minfer.server.protocol import APIError
+
+log = logging.getLogger(__name__)
+
+Event = m.Reply | m.RequestFailed
+
+
+class EngineClient:
+    def __init__(self, inbox: zmq.Socket, to_tokenizer: zmq.Socket):
+        self.inbox = inbox  # bound, synchronous; shadowed by an asyncio socket in `start`
+        self.to_tokenizer = to_tokenizer
+        self.queues: dict[int, asyncio.Queue] = {}  # uid -> queue of its HTTP request
+        self.calls: dict[int, asyncio.Future] = {}
+        self.uids = itertools.count()
+        self.call_ids = itertools.count()
+        self.failure: str | None = None  # set once a worker died: every new call fails with it
+        self._receiver: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._receiver = asyncio.get_running_loop().create_task(self._receive())
+
+    async def _receive(self) -> None:
+        sock = zmq.asyncio.Socket.from_socket(self.inbox)
+        while True:
+            self.route(m.decode(await sock.recv()))
+
+    def route(self, msg: m.Message) -> None:
+        if isinstance(msg, m.ReplyBatch):
+            for reply in msg.replies:
+                queue = self.queues.get(reply.uid)
+                if queue is not None:
+                    queue.put_nowait(reply)
+                    if reply.finish_reason is not None:
+                        del self.queues[reply.uid]
+        elif isinstance(msg, m.RequestFailed):
+            queue = self.queues.pop(msg.uid, None)
+            if queue is not None:
+                queue.put_nowait(msg)
+        elif isinstance(msg, (m.TokenizerResult, m.InfoReply)):
+            future = self.calls.pop(msg.call_id, None)
+            if future is not None and not future.done():
+                future.set_result(msg)
+        elif isinstance(msg, m.WorkerFailed):
+            log.error("the %s worker failed: %s", msg.role, msg.message)
+        else:
+            log.debug("api server ignored %s", type(msg).__name__)
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, queue: asyncio.Queue, request: m.GenerateRequest) -> None:
+        if self.failure:
+            raise APIError(503, self.failure)
+        self.queues[request.uid] = queue
+        send(self.to_tokenizer, request)
+
+    def abort(self, uid: int, forget: bool = True) -> None:
+        """Abort in the scheduler (its KV is freed at the next step). With `forget`, replies
+        still in flight are dropped; without, the request's stream ends with finish "abort"."""
+        if forget:
+            self.queues.pop(uid, None)
+        if not self.failure:
+            send(self.to_tokenizer, m.AbortRequest(uid=uid))
+
+    async def call(self, msg: m.TokenizerCall | m.InfoQuery, timeout: float = 30.0):
+        if self.failure:
+            raise APIError(503, self.failure)
+        future = asyncio.get_running_loop().create_future()
+        self.calls[msg.call_id] = future
+        send(self.to_tokenizer, msg)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"no answer from the workers in {timeout:.0f} s") from None
+        finally:
+            self.calls.pop(msg.call_id, None)
+
+    def fail_all(self, reason: str) -> None:
+        """A worker died: end every open request and call with a 503."""
+        self.failure = reason
+        for uid, queue in list(self.queues.items()):
+            queue.put_nowait(m.RequestFailed(uid=uid, message=reason, status=503))
+        self.queues.clear()
+        for future in self.calls.values():
+            if not future.done():
+                future.set_exception(APIError(503, reason))
+        self.calls.clear()
+
+
+@dataclass
+class RequestGroup:
+    """The engine requests behind one HTTP request (several prompts, or n > 1), sharing a queue.
+
+    `choice` maps each uid to its index in the answer. Leaving the group (`close`) aborts
+    whatever has not finished, which is how a disconnected client frees its KV.
+    """
+
+    client: EngineClient
+    rid: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    choice: dict[int, int] = field(default_factory=dict)
+    open: set[int] = field(default_factory=set)
+    backlog: list[Event] = field(default_factory=list)
+
+    def submit(self, index: int, request: m.GenerateRequest) -> None:
+        self.choice[request.uid] = index
+        self.open.add(request.uid)
+        self.client.submit(self.queue, request)
+
+    async def wait_started(self) -> None:
+        """Wait until every request produced its first reply, so a request that fails
+        validation is answered with an HTTP error instead of a stream that breaks off."""
+        pending = set(self.open)
+        while pending:
+            event = await self.queue.get()
+            self.backlog.append(event)
+            if isinstance(event, m.RequestFailed):
+                self.open.discard(event.uid)
+                self.close()
+                raise APIError(event.status, event.message, event.param,
+                               "context_length_exceeded" if "context length" in event.message else None)
+            pending.discard(event.uid)
+            if event.finish_reason is not None:
+                self.open.discard(event.uid)
+
+    async def events(self):
+        """Every reply, in arrival order, until all requests finished."""
+        backlog, self.backlog = self.backlog, []
+        for event in backlog:
+            yield event
+        while self.open:
+            event = await self.queue.get()
+            if isinstance(event, m.RequestFailed) or event.finish_reason is not None:
+                self.open.discard(event.uid)
+            yield event
+
+    def close(self) -> None:
+        for uid in self.open:
+            self.client.abort(uid)
+        self.open.clear()

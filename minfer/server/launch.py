@@ -1,0 +1,174 @@
+"""`minfer serve`: start the workers, wait until they are ready, run the HTTP server, stop all.
+
+Processes (DESIGN.md): this one runs the api server; the tokenizer worker and the scheduler
+worker (which owns the engine) are spawned children. Shutdown paths, all ending with the
+children stopped:
+  - SIGINT / SIGTERM: uvicorn stops serving (open streams get a few seconds), exit code 0;
+  - a worker dies: /health answers 503, open requests fail with 503, then exit code 1;
+  - a worker fails to start: its error is printed, exit code 1.
+If this process is killed outright, the kernel kills the workers (ipc/process.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import zmq
+
+from minfer.config import EngineConfig, ServerConfig
+from minfer.ipc import messages as m
+from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready
+from minfer.scheduler.worker import run_scheduler_worker
+from minfer.server.client import EngineClient
+from minfer.tokenizer.worker import run_tokenizer_worker
+
+log = logging.getLogger("minfer.server")
+
+# How long /health answers 503 after a worker died before the server exits, so that whoever
+# watches the server (a load balancer, a test) can see why.
+UNHEALTHY_GRACE_S = 2.0
+GRACEFUL_SHUTDOWN_S = 3
+WORKER_STOP_TIMEOUT_S = 5.0
+
+
+class StartupError(Exception):
+    pass
+
+
+class Workers:
+    """The child processes, started with `spawn` (CUDA cannot be forked)."""
+
+    def __init__(self, config: EngineConfig, endpoints: Endpoints):
+        ctx = mp.get_context("spawn")
+        me = os.getpid()
+        self.procs = {
+            "scheduler": ctx.Process(target=run_scheduler_worker, args=(config, endpoints, me),
+                                     name="minfer-scheduler", daemon=True),
+            "tokenizer": ctx.Process(target=run_tokenizer_worker, args=(config, endpoints, me),
+                                     name="minfer-tokenizer", daemon=True),
+        }
+
+    def start(self) -> None:
+        for proc in self.procs.values():
+            proc.start()
+
+    def dead(self) -> list[str]:
+        return [f"the {role} worker (pid {p.pid}) exited with code {p.exitcode}"
+                for role, p in self.procs.items() if p.pid is not None and not p.is_alive()]
+
+    def stop(self) -> None:
+        """SIGTERM each child, then SIGKILL whatever is still there after a timeout."""
+        live = [p for p in self.procs.values() if p.pid is not None and p.is_alive()]
+        for proc in live:
+            proc.terminate()
+        deadline = time.monotonic() + WORKER_STOP_TIMEOUT_S
+        for proc in live:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+
+
+def wait_until_ready(sock: zmq.Socket, workers: Workers) -> dict[str, dict]:
+    """Wait for both workers' WorkerReady; fail fast when one fails or dies."""
+    ready: dict[str, dict] = {}
+    while len(ready) < len(workers.procs):
+        for msg in recv_ready(sock, timeout_ms=200):
+            if isinstance(msg, m.WorkerReady):
+                ready[msg.role] = msg.info
+            elif isinstance(msg, m.WorkerFailed):
+                raise StartupError(f"the {msg.role} worker failed to start: {msg.message}")
+        dead = workers.dead()
+        if dead and len(ready) < len(workers.procs):
+            raise StartupError("; ".join(dead))
+    return ready
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
+    """Run the server until a signal or a dead worker; returns the exit code."""
+    logging.basicConfig(level=engine_cfg.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    ipc_dir = tempfile.mkdtemp(prefix="minfer-ipc-")
+    endpoints = Endpoints.in_dir(ipc_dir)
+    zctx = zmq.Context()
+    api_inbox = inbox(zctx, endpoints.api)
+    to_tokenizer = outbox(zctx, endpoints.tokenizer)
+    workers = Workers(engine_cfg, endpoints)
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        workers.start()
+        print(f"minfer: loading {engine_cfg.model or 'the default model'} ...", flush=True)
+        ready = wait_until_ready(api_inbox, workers)
+        # From here uvicorn owns SIGINT/SIGTERM (it stops serving, then re-raises the signal
+        # to the handler it found, which must then do nothing).
+        for sig in previous:
+            signal.signal(sig, lambda signum, frame: None)
+        return asyncio.run(_serve_http(engine_cfg, server_cfg, ready, workers, api_inbox, to_tokenizer))
+    except KeyboardInterrupt:
+        return 0
+    except StartupError as e:
+        print(f"minfer: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        workers.stop()
+        zctx.destroy(linger=0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for name in os.listdir(ipc_dir):
+            os.unlink(os.path.join(ipc_dir, name))
+        os.rmdir(ipc_dir)
+
+
+async def _serve_http(engine_cfg: EngineConfig, server_cfg: ServerConfig, ready: dict, workers: Workers,
+                      api_inbox: zmq.Socket, to_tokenizer: zmq.Socket) -> int:
+    import uvicorn
+
+    from minfer.server.api import ServerState, build_app
+
+    client = EngineClient(api_inbox, to_tokenizer)
+    client.start()
+    info = ready["scheduler"]
+    state = ServerState(client=client, model_name=server_cfg.served_model_name or engine_cfg.model or info["model"],
+                        engine_config=engine_cfg, server_config=server_cfg, scheduler_info=info,
+                        tokenizer_info=ready["tokenizer"], workers=workers.procs)
+    config = uvicorn.Config(build_app(state), host=server_cfg.host, port=server_cfg.port,
+                            log_level=engine_cfg.log_level, access_log=engine_cfg.log_level == "debug",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = uvicorn.Server(config)
+    watchdog = asyncio.create_task(_watch(server, state, workers, info["memory_line"]))
+    await server.serve()
+    watchdog.cancel()
+    return state.exit_code
+
+
+async def _watch(server, state, workers: Workers, memory_line: str) -> None:
+    """Announce the address once listening; then turn a dead worker into 503s and an exit."""
+    while not server.started and not server.should_exit:
+        await asyncio.sleep(0.05)
+    if server.started:
+        cfg = state.server_config
+        print(f"minfer: serving {state.model_name!r} on http://{cfg.host}:{cfg.port} "
+              f"(OpenAI API at http://{cfg.host}:{cfg.port}/v1)", flush=True)
+        print(f"minfer: {memory_line}", flush=True)
+    while not server.should_exit:
+        dead = workers.dead()
+        if dead:
+            reason = "; ".join(dead)
+            log.error("%s: shutting down", reason)
+            state.healthy = False
+            state.exit_code = 1
+            state.client.fail_all(f"the server is shutting down: {reason}")
+            await asyncio.sleep(UNHEALTHY_GRACE_S)
+            server.should_exit = True
+            return
+        await asyncio.sleep(0.25)

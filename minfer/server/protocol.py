@@ -1,0 +1,263 @@
+"""Request bodies of the HTTP API (pydantic) and the error shape every endpoint answers with.
+
+OpenAI's shapes for /v1/completions and /v1/chat/completions, SGLang's for /generate, vLLM's
+for /tokenize, /detokenize. Fields minfer does not implement are refused with a 400 that says
+so, rather than silently ignored, when ignoring them would change the answer.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minfer.core import InvalidRequestError, SamplingParams
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @classmethod
+    def invalid(cls, e: InvalidRequestError) -> APIError:
+        code = "context_length_exceeded" if "context length" in str(e) else None
+        return cls(400, str(e), e.param, code)
+
+    def body(self) -> dict:
+        kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}
+        return {"error": {"message": self.message, "type": kind.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
+    """A readable message for pydantic's errors: `messages[0].role: Input should be ...`.
+
+    Union branches show up in pydantic's locations as type names (`str`, `list[TextPart]`); they
+    are dropped, and errors that then read the same are merged.
+    """
+    seen, parts = set(), []
+    first_param = None
+    for err in errors:
+        path = ""
+        for item in err.get("loc", ()):
+            if item == "body":
+                continue
+            if isinstance(item, int):
+                path += f"[{item}]"
+            elif "[" in item or item in ("str", "int", "float", "bool", "list", "dict"):
+                continue  # a union branch, not a field
+            else:
+                path += f".{item}" if path else item
+        if err.get("type") == "json_invalid":
+            text = "the request body is not valid JSON"
+        elif err.get("type") == "missing":
+            text = f"{path or 'body'}: field required"
+        else:
+            text = f"{path or 'body'}: {err.get('msg', 'invalid value')}"
+        if text not in seen:
+            seen.add(text)
+            parts.append(text)
+            first_param = first_param or path or None
+    if len(parts) > 3:
+        parts = parts[:3] + [f"({len(parts) - 3} more)"]
+    return "; ".join(parts) or "invalid request", first_param
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: usage in every chunk
+
+
+class _SamplingFields(_Body):
+    """Fields the completions and chat endpoints share."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int | None) -> tuple[SamplingParams, bool]:
+        """The request's SamplingParams, and whether max_tokens is left to fill the context."""
+        if self.n < 1:
+            raise APIError(400, f"n must be at least 1, got {self.n}", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported", name)
+        auto = max_tokens is None
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        params = SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            max_tokens=max(1, self.min_tokens) if auto else max_tokens, min_tokens=self.min_tokens,
+            stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, seed=self.seed)
+        try:
+            params.validate()
+        except InvalidRequestError as e:
+            raise APIError.invalid(e) from None
+        return params, auto
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        if self.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        """The plain dict a chat template expects; text parts are joined with newlines."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        msg = {"role": self.role, "content": content or ""}
+        if self.name:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        if self.logprobs or self.top_logprobs:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+
+    def template_messages(self) -> list[dict]:
+        return [msg.as_template_input() for msg in self.messages]
+
+
+class GenerateSamplingParams(_Body):
+    """SGLang's `sampling_params` (its names and defaults)."""
+
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+    seed: int | None = None
+
+    def to_params(self) -> tuple[SamplingParams, bool]:
+        auto = self.max_new_tokens is None
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                min_p=self.min_p, max_tokens=max(1, self.min_new_tokens) if auto else self.max_new_tokens,
+                                min_tokens=self.min_new_tokens, stop=stop,
+                                stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+                                seed=self.sampling_seed if self.sampling_seed is not None else self.seed)
+        try:
+            params.validate()
+        except InvalidRequestError as e:
+            e.param = f"sampling_params.{e.param}" if e.param else None
+            raise APIError.invalid(e) from None
+        return params, auto
+
+
+class GenerateRequestBody(_Body):
+    """SGLang's /generate body: `text` or `input_ids`, one prompt or a batch."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    stream: bool = False
+    rid: str | None = None
+
+    def prompts(self) -> tuple[list[str | list[int]], bool]:
+        """The prompts, and whether the request was a batch (the answer is then a list)."""
+        if (self.text is None) == (self.input_ids is None):
+            raise APIError(400, "give exactly one of text and input_ids", "text")
+        if self.text is not None:
+            return ([self.text], False) if isinstance(self.text, str) else (list(self.text), True)
+        ids = self.input_ids
+        if not ids:
+            raise APIError(400, "input_ids must not be empty", "input_ids")
+        return ([list(ids)], False) if isinstance(ids[0], int) else ([list(x) for x in ids], True)
+
+
+class TokenizeRequestBody(_Body):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequestBody(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class AbortRequestBody(_Body):
+    rid: str
