@@ -80,6 +80,11 @@ def profile(model: str, rows: list[str]) -> None:
         print(f"==== {phase}: {per_step * 1e3:.2f} ms/step, running {len(sched.running)}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
         rows.append(f"profile {model} {phase}: {per_step * 1e3:.2f} ms/step (running {len(sched.running)})")
+    del llm, sched
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()  # the benchmarks run in child processes and need the memory
 
 
 def main() -> None:
