@@ -25,6 +25,7 @@ from minfer import __version__
 from minfer.config import EngineConfig, ServerConfig
 from minfer.core import InvalidRequestError, SamplingParams
 from minfer.ipc import messages as m
+from minfer.ipc.process import dead_workers
 from minfer.server.client import EngineClient, RequestGroup
 from minfer.server.protocol import (
     AbortRequestBody,
@@ -72,6 +73,9 @@ class ServerState:
 
     def alive(self) -> bool:
         return self.healthy and all(p.is_alive() for p in self.workers.values())
+
+    def why_dead(self) -> str:
+        return "; ".join(dead_workers(self.workers)) or "shutting down"
 
 
 @dataclass
@@ -419,7 +423,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def health():
         if state.alive():
             return Response(status_code=200)
-        return json_response(APIError(503, client.failure or "a worker process died").body(), 503)
+        return json_response(APIError(503, client.failure or state.why_dead()).body(), 503)
 
     @app.get("/v1/models")
     async def models():

@@ -24,6 +24,7 @@ import zmq
 
 from minfer.config import EngineConfig, ServerConfig
 from minfer.ipc import messages as m
+from minfer.ipc.process import dead_workers
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready
 from minfer.scheduler.worker import run_scheduler_worker
 from minfer.server.client import EngineClient
@@ -60,8 +61,7 @@ class Workers:
             proc.start()
 
     def dead(self) -> list[str]:
-        return [f"the {role} worker (pid {p.pid}) exited with code {p.exitcode}"
-                for role, p in self.procs.items() if p.pid is not None and not p.is_alive()]
+        return dead_workers(self.procs)
 
     def stop(self) -> None:
         """SIGTERM each child, then SIGKILL whatever is still there after a timeout."""

@@ -1,0 +1,109 @@
+"""`minfer shell`: chat with a model in the terminal, the reply streamed as it is generated.
+
+The engine runs in this process (no server); the conversation is kept across turns and
+rendered with the model's chat template each turn, so the prefix cache reuses the history's KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from minfer.config import EngineConfig
+from minfer.core import InvalidRequestError, SamplingParams
+from minfer.tokenizer.detokenizer import IncrementalDetokenizer
+
+HELP = ("Type a message and press Enter. /reset clears the conversation, /temp T sets the sampling "
+        "temperature (0 = greedy), /exit (or Ctrl-D) quits.")
+# A chat in a terminal wants some variety but stays on topic.
+DEFAULT_TEMPERATURE = 0.7
+TOP_P = 0.9
+MAX_REPLY_TOKENS = 1024
+
+
+def stream_reply(llm, prompt_ids: list[int], params: SamplingParams, write=sys.stdout.write) -> str:
+    """Generate one reply, writing each final piece of text as it comes; Ctrl-C stops it early."""
+    scheduler = llm.scheduler
+    req = scheduler.add_request(prompt_ids, params)
+    detok = IncrementalDetokenizer(llm.tokenizer)
+    try:
+        done = False
+        while not done:
+            for out in scheduler.step():
+                if out.uid != req.uid:
+                    continue
+                if out.token_id is not None:
+                    write(detok.add(out.token_id))
+                    sys.stdout.flush()
+                done = done or out.finish_reason is not None
+    except KeyboardInterrupt:
+        scheduler.abort(req.uid)
+        while scheduler.has_work:  # let a pass still in flight finish
+            scheduler.step()
+        write(" [stopped]")
+    write(detok.flush() + "\n")
+    return detok.text
+
+
+def fit_history(llm, history: list[dict]) -> list[int]:
+    """The prompt of the conversation, dropping the oldest exchanges until a reply still fits."""
+    limit = llm.engine.max_model_len
+    while True:
+        ids = llm.apply_chat_template(history)
+        first = 1 if history[0]["role"] == "system" else 0
+        if len(ids) < limit - 16 or len(history) - first <= 1:
+            return ids
+        del history[first:first + 2]  # a user turn and its answer
+
+
+def run_shell(engine_cfg: EngineConfig) -> int:
+    from minfer.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_cfg))
+    if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+        print(f"minfer shell: model {llm.engine.source.name!r} has no chat template", file=sys.stderr)
+        return 2
+    print(f"minfer shell — {llm.engine.source.name}, context {llm.engine.max_model_len} tokens. {HELP}")
+    history: list[dict] = []
+    temperature = DEFAULT_TEMPERATURE
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            return 0
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            return 0
+        if command == "/reset":
+            history.clear()
+            print("(conversation cleared)")
+            continue
+        if command.startswith("/temp"):
+            try:
+                temperature = float(command.split()[1])
+                SamplingParams(temperature=temperature).validate()
+                print(f"(temperature {temperature})")
+            except (IndexError, ValueError) as e:
+                print(f"usage: /temp T with T >= 0 ({e})")
+            continue
+        if command.startswith("/"):
+            print(f"unknown command {command!r}. {HELP}")
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            ids = fit_history(llm, history)
+            room = llm.engine.max_model_len - len(ids)
+            params = SamplingParams(temperature=temperature, top_p=TOP_P,
+                                    max_tokens=max(1, min(MAX_REPLY_TOKENS, room)))
+            reply = stream_reply(llm, ids, params)
+        except InvalidRequestError as e:
+            print(f"error: {e}")
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": reply})

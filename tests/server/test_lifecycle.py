@@ -1,0 +1,84 @@
+"""Start-up, shutdown and worker death of `minfer serve`: no orphan process in any case."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+from server_harness import REPO, Server, child_pids, pid_alive
+
+
+def wait_gone(pids, timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return alive
+
+
+def worker_names(pids) -> list[str]:
+    names = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return names
+
+
+def test_sigterm_stops_every_process(tiny_chat_model, tmp_path):
+    server = Server([tiny_chat_model, "--kv-cache-tokens", "4096"], tmp_path / "server.log")
+    children = child_pids(server.proc.pid)
+    workers = set(server.workers.values())
+    assert workers <= set(children)
+    assert sorted(worker_names(workers)) == ["minfer-schedule", "minfer-tokenize"]  # comm keeps 15 chars
+    # A request in flight does not keep the server up.
+    stream = httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                          json={"prompt": "hi", "max_tokens": 3000, "ignore_eos": True, "stream": True})
+    resp = stream.__enter__()
+    next(resp.iter_lines())
+    assert server.stop(signal.SIGTERM, timeout=20) == 0
+    stream.__exit__(None, None, None)
+    assert wait_gone([server.proc.pid, *children]) == []
+
+
+def test_dead_worker_makes_server_unhealthy_and_exit(tiny_chat_model, tmp_path):
+    server = Server([tiny_chat_model, "--kv-cache-tokens", "4096"], tmp_path / "server.log")
+    children = child_pids(server.proc.pid)
+    os.kill(server.workers["scheduler"], signal.SIGKILL)
+    saw_503 = False
+    deadline = time.monotonic() + 20
+    while server.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            r = httpx.get(server.url + "/health", timeout=2)
+            if r.status_code == 503:
+                saw_503 = True
+                assert "scheduler" in r.json()["error"]["message"]
+                # New requests fail fast with a 503 too, not hang.
+                c = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
+                assert c.status_code == 503 and c.json()["error"]["message"]
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    assert saw_503
+    assert server.proc.wait(20) != 0
+    assert "the scheduler worker" in server.output()
+    assert wait_gone([server.proc.pid, *children]) == []
+
+
+def test_bad_model_fails_fast(tmp_path):
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.run([sys.executable, "-m", "minfer", "serve", str(tmp_path / "no-such-model"),
+                               "--port", "1"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+    assert proc.returncode == 1
+    text = log.read_text()
+    assert "failed to start" in text and "no-such-model" in text

@@ -1,0 +1,43 @@
+"""`minfer shell` in-process with a tiny model: history across turns, /reset, /exit."""
+
+from __future__ import annotations
+
+import builtins
+
+from minfer.config import EngineConfig
+from minfer.llm import LLM
+from minfer.server import shell
+from minfer.server.shell import fit_history, run_shell
+
+
+def test_history_reset_exit(tiny_chat_model, monkeypatch, capsys):
+    seen: list[list[dict]] = []
+    original = LLM.apply_chat_template
+
+    def recording(self, messages):
+        seen.append([dict(m) for m in messages])
+        return original(self, messages)
+
+    monkeypatch.setattr(LLM, "apply_chat_template", recording)
+    monkeypatch.setattr(shell, "MAX_REPLY_TOKENS", 16)  # short replies: the history always fits
+    lines = iter(["/temp 0", "first question", "second question", "/reset", "third question", "/exit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    assert run_shell(EngineConfig(model=tiny_chat_model, kv_cache_tokens=8192, max_model_len=512)) == 0
+    assert [[m["role"] for m in conv] for conv in seen] == [
+        ["user"], ["user", "assistant", "user"], ["user"]]
+    assert seen[1][0]["content"] == "first question" and seen[1][2]["content"] == "second question"
+    assert seen[2][0]["content"] == "third question"
+    out = capsys.readouterr().out
+    assert "(temperature 0.0)" in out and "(conversation cleared)" in out
+
+
+def test_fit_history_drops_oldest_exchanges(tiny_chat_model):
+    llm = LLM(tiny_chat_model, kv_cache_tokens=4096, max_model_len=128)
+    history = []
+    for i in range(20):
+        history += [{"role": "user", "content": f"question {i} " * 5}, {"role": "assistant", "content": "answer " * 5}]
+    history.append({"role": "user", "content": "last"})
+    ids = fit_history(llm, history)
+    assert len(ids) < 128 - 16
+    assert history[-1]["content"] == "last" and history[0]["role"] == "user"
+    assert len(history) % 2 == 1 and len(history) < 41
