@@ -88,7 +88,8 @@ def _num_warps(dim: int) -> int:
     return 1 if dim <= 256 else 4 if dim <= 2048 else 8
 
 
-def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None = None):
     """minfer/layers/norm.py RMSNorm.forward, as a function."""
     if residual is not None:
         x = x + residual

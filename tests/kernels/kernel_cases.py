@@ -44,8 +44,12 @@ def make_paged_batch(prefix_lens: list[int], extend_lens: list[int], num_kv_head
         slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)
         page_table[row, :seq] = slots[:seq].to(torch.int32)
     shape = (num_slots + page_size, num_kv_heads, head_dim)
-    k_pool = torch.randn(shape, generator=generator).to(dtype)
-    v_pool = torch.randn(shape, generator=generator).to(dtype)
+    if device.type == "cpu":
+        k_pool = torch.randn(shape, generator=generator).to(dtype)
+        v_pool = torch.randn(shape, generator=generator).to(dtype)
+    else:  # GPU-sized pools: drawing gigabytes on the CPU would take longer than the check itself
+        k_pool = torch.randn(shape, device=device, dtype=dtype)
+        v_pool = torch.randn(shape, device=device, dtype=dtype)
     cu = [0]
     for e in extend_lens:
         cu.append(cu[-1] + e)
@@ -55,7 +59,8 @@ def make_paged_batch(prefix_lens: list[int], extend_lens: list[int], num_kv_head
 
     return PagedBatch(
         k_pool=k_pool.to(device), v_pool=v_pool.to(device), page_table=page_table.to(device),
-        table_idx=table_idx.to(torch.int32).to(device), prefix_lens=ints(prefix_lens), seq_lens=ints(seq_lens),
+        table_idx=table_idx.to(torch.int32).to(device), prefix_lens=ints(prefix_lens),
+        seq_lens=ints(seq_lens),
         cu_extend_lens=ints(cu), prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=list(extend_lens),
         table_idx_cpu=table_idx.tolist(),
     )

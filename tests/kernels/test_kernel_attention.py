@@ -28,22 +28,27 @@ def _decode_case(group, head_dim, page_size, dtype, device, seq_lens, num_kv_hea
     return batch, q
 
 
+def _decode_args(batch, q, scale):
+    return q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens, scale
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_decode_matches_reference(group, head_dim, page_size, device):
     dtype = torch.bfloat16
     batch, q = _decode_case(group, head_dim, page_size, dtype, device, [1, 37, 130, 64])
-    args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens, head_dim ** -0.5)
+    args = _decode_args(batch, q, head_dim ** -0.5)
     expected = decode_attention_reference(*args)
     for num_splits in (1, 3):
-        torch.testing.assert_close(decode_attention(*args, num_splits=num_splits), expected, **tolerance(dtype))
+        out = decode_attention(*args, num_splits=num_splits)
+        torch.testing.assert_close(out, expected, **tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_decode_dtypes(dtype, device):
     batch, q = _decode_case(2, 64, 16, dtype, device, [5, 90])
-    args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens, 0.125)
+    args = _decode_args(batch, q, 0.125)
     out = decode_attention(*args, num_splits=2)
     assert out.dtype == dtype
     torch.testing.assert_close(out, decode_attention_reference(*args), **tolerance(dtype))
@@ -52,18 +57,19 @@ def test_decode_dtypes(dtype, device):
 def test_decode_more_splits_than_keys(device):
     """Splits past the end of a short sequence are empty and must not disturb the merge."""
     batch, q = _decode_case(4, 64, 1, torch.float32, device, [1, 3, 200])
-    args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens, 0.125)
+    args = _decode_args(batch, q, 0.125)
     expected = decode_attention_reference(*args)
     for num_splits in (5, 16):
-        torch.testing.assert_close(decode_attention(*args, num_splits=num_splits), expected, **tolerance(torch.float32))
+        out = decode_attention(*args, num_splits=num_splits)
+        torch.testing.assert_close(out, expected, **tolerance(torch.float32))
 
 
-def test_num_splits_depend_only_on_static_sizes():
-    cpu = torch.device("cpu")
-    assert choose_num_splits(1, 8, 40960, cpu) > 1
-    assert choose_num_splits(256, 8, 40960, cpu) == 1
-    assert choose_num_splits(1, 8, 64, cpu) == 1  # never more splits than key blocks
-    assert choose_num_splits(1, 1, 10**6, cpu) <= 64
+def test_num_splits_depend_only_on_static_sizes(device):
+    assert choose_num_splits(1, 1, 40960, device) > 1  # one request alone is spread out
+    assert choose_num_splits(1, 8, 40960, device) >= choose_num_splits(256, 8, 40960, device)
+    assert choose_num_splits(256, 8, 40960, device) == 1  # a big batch fills the GPU by itself
+    assert choose_num_splits(1, 1, 64, device) == 1  # never more splits than key blocks
+    assert choose_num_splits(1, 1, 10**6, device) <= 64
 
 
 def _extend_case(group, head_dim, page_size, dtype, device, prefix_lens, extend_lens, num_kv_heads=2):
@@ -74,8 +80,9 @@ def _extend_case(group, head_dim, page_size, dtype, device, prefix_lens, extend_
 
 
 def _run_extend(batch, q, scale):
-    return extend_attention(q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.prefix_lens,
-                            batch.seq_lens, batch.cu_extend_lens, max(batch.extend_lens_cpu), scale)
+    return extend_attention(q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx,
+                            batch.prefix_lens, batch.seq_lens, batch.cu_extend_lens,
+                            max(batch.extend_lens_cpu), scale)
 
 
 def _extend_reference(batch, q, scale):
@@ -90,8 +97,9 @@ def test_extend_matches_reference(group, head_dim, page_size, device):
     dtype = torch.bfloat16
     # prefix 0 (plain prefill), prefix > 0 (cached prefix), one-token extend, extends over blocks
     batch, q = _extend_case(group, head_dim, page_size, dtype, device, [0, 21, 40, 3], [19, 1, 35, 6])
-    torch.testing.assert_close(_run_extend(batch, q, head_dim ** -0.5), _extend_reference(batch, q, head_dim ** -0.5),
-                               **tolerance(dtype))
+    scale = head_dim ** -0.5
+    expected = _extend_reference(batch, q, scale)
+    torch.testing.assert_close(_run_extend(batch, q, scale), expected, **tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -116,7 +124,8 @@ def test_backend_matches_torch_backend(is_decode, device):
     if is_decode:
         batch, q = _decode_case(2, head_dim, 16, dtype, device, [12, 70, 33], num_kv_heads=num_kv_heads)
     else:
-        batch, q = _extend_case(2, head_dim, 16, dtype, device, [0, 30, 5], [11, 4, 20], num_kv_heads=num_kv_heads)
+        batch, q = _extend_case(2, head_dim, 16, dtype, device, [0, 30, 5], [11, 4, 20],
+                                num_kv_heads=num_kv_heads)
     ctx = _context(batch, is_decode, num_kv_heads, head_dim, dtype, device)
     out = TritonAttentionBackend().forward(q, 0, ctx, head_dim ** -0.5)
     expected = TorchAttentionBackend().forward(q, 0, ctx, head_dim ** -0.5)
@@ -130,8 +139,9 @@ def test_decode_long_context_gpu(num_heads, num_kv_heads):
     seq_lens = [40_000, 1, 2048, 17_001]
     batch, q = _decode_case(num_heads // num_kv_heads, 128, 16, torch.bfloat16, device, seq_lens,
                             num_kv_heads=num_kv_heads)
-    args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens, 128 ** -0.5)
-    torch.testing.assert_close(decode_attention(*args), decode_attention_reference(*args), atol=1e-2, rtol=1e-2)
+    args = _decode_args(batch, q, 128 ** -0.5)
+    expected = decode_attention_reference(*args)
+    torch.testing.assert_close(decode_attention(*args), expected, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.gpu
@@ -139,9 +149,10 @@ def test_decode_cuda_graph_replay_sees_new_lengths():
     """Capture once, then change lengths and page table in place: the replay must follow them."""
     device = torch.device("cuda")
     gen = _generator("graph")
-    batch = make_paged_batch([99, 4000, 17], [1, 1, 1], 8, 128, 16, torch.bfloat16, device, gen, table_width=8192)
+    batch = make_paged_batch([99, 4000, 17], [1, 1, 1], 8, 128, 16, torch.bfloat16, device, gen,
+                             table_width=8192)
     q = torch.randn((3, 16, 128), generator=gen).to(torch.bfloat16).to(device)
-    args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens, 128 ** -0.5)
+    args = _decode_args(batch, q, 128 ** -0.5)
     out = decode_attention(*args)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

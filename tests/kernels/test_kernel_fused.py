@@ -1,4 +1,8 @@
-"""RMSNorm, SiLU-and-mul, RoPE and KV store kernels against the torch layers they replace."""
+"""RMSNorm, SiLU-and-mul, RoPE and KV store kernels against torch references of the layers.
+
+The layers themselves call these kernels on CUDA, so the kernels are compared with the
+`*_reference` functions, and those with the layers on CPU, where the layers run plain torch.
+"""
 
 from __future__ import annotations
 
@@ -42,15 +46,34 @@ def _qkv_views(tokens, num_heads, num_kv_heads, head_dim, dtype, device, seed):
             v.view(tokens, num_kv_heads, head_dim))
 
 
+def test_references_match_the_layers_on_cpu():
+    cpu = torch.device("cpu")
+    for dtype in DTYPES:
+        norm = RMSNorm(64, 1e-6).to(dtype=dtype)
+        norm.weight.copy_(_randn((64,), dtype, cpu, 1))
+        x, residual = _randn((7, 64), dtype, cpu, 2), _randn((7, 64), dtype, cpu, 3)
+        torch.testing.assert_close(rmsnorm_reference(x, norm.weight, 1e-6), norm(x), atol=0, rtol=0)
+        for got, want in zip(rmsnorm_reference(x, norm.weight, 1e-6, residual), norm(x, residual)):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+        gate_up = _randn((3, 2 * 96), dtype, cpu, 4)
+        want = layer_silu_and_mul(gate_up)
+        torch.testing.assert_close(silu_and_mul_reference(gate_up), want, atol=0, rtol=0)
+        rotary = RotaryEmbedding(64, 4096, {"rope_theta": 1_000_000.0, "rope_type": "default"})
+        q, k, _ = _qkv_views(6, 4, 2, 64, dtype, cpu, 5)
+        positions = torch.tensor([0, 1, 17, 900, 4095, 3])
+        for got, want in zip(apply_rope_reference(q, k, positions, rotary.cos_sin), rotary(positions, q, k)):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [64, 200])
-def test_rmsnorm_matches_layer(dtype, hidden, device):
-    norm = RMSNorm(hidden, 1e-6).to(device=device, dtype=dtype)
-    norm.weight.copy_(_randn((hidden,), dtype, device, 1))
+def test_rmsnorm_matches_reference(dtype, hidden, device):
+    weight = _randn((hidden,), dtype, device, 1)
     x, residual = _randn((7, hidden), dtype, device, 2), _randn((7, hidden), dtype, device, 3)
-    torch.testing.assert_close(rmsnorm(x, norm.weight, 1e-6), norm(x), **tolerance(dtype))
-    out, new_residual = rmsnorm(x, norm.weight, 1e-6, residual)
-    expected_out, expected_residual = norm(x, residual)
+    expected = rmsnorm_reference(x, weight, 1e-6)
+    torch.testing.assert_close(rmsnorm(x, weight, 1e-6), expected, **tolerance(dtype))
+    out, new_residual = rmsnorm(x, weight, 1e-6, residual)
+    expected_out, expected_residual = rmsnorm_reference(x, weight, 1e-6, residual)
     torch.testing.assert_close(out, expected_out, **tolerance(dtype))
     torch.testing.assert_close(new_residual, expected_residual, **_bitwise_or_interpreter(dtype))
 
@@ -68,29 +91,29 @@ def test_rmsnorm_per_head_view_and_fp32_weight(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [96, 1500])
-def test_silu_and_mul_matches_layer(dtype, width, device):
+def test_silu_and_mul_matches_reference(dtype, width, device):
     x = _randn((2, 3, 2 * width), dtype, device, 6)
     out = silu_and_mul(x)
     assert out.shape == (2, 3, width)
-    torch.testing.assert_close(out, layer_silu_and_mul(x), **tolerance(dtype))
     torch.testing.assert_close(out, silu_and_mul_reference(x), **tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2)])
-def test_rope_matches_layer(dtype, head_dim, num_heads, num_kv_heads, device):
-    params = {"rope_theta": 1_000_000.0, "rope_type": "default"}
-    rotary = RotaryEmbedding(head_dim, 4096, params).to(device)
+def test_rope_matches_reference(dtype, head_dim, num_heads, num_kv_heads, device):
+    rotary = RotaryEmbedding(head_dim, 4096, {"rope_theta": 1_000_000.0, "rope_type": "default"}).to(device)
     q, k, _ = _qkv_views(6, num_heads, num_kv_heads, head_dim, dtype, device, 7)
     positions = torch.tensor([0, 1, 17, 900, 4095, 3], device=device)
-    expected_q, expected_k = rotary(positions, q.clone(), k.clone())
+    expected_q, expected_k = apply_rope_reference(q, k, positions, rotary.cos_sin)
     apply_rope_inplace(q, k, positions, rotary.cos_sin)
-    tol = _bitwise_or_interpreter(dtype, atol=4e-2)
+    # The kernel rounds where the torch ops round, yet on an H200 (triton 3.6) about a fifth of
+    # bf16 results land one unit in the last place away from torch's, and fp32 ones differ by
+    # fused multiply-adds: compare to within one unit.
+    tol = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=5e-3, rtol=2 ** -10),
+           torch.bfloat16: dict(atol=4e-2, rtol=2 ** -7)}[dtype]
     torch.testing.assert_close(q, expected_q, **tol)
     torch.testing.assert_close(k, expected_k, **tol)
-    ref_q, ref_k = apply_rope_reference(q.clone(), k.clone(), positions, rotary.cos_sin)  # runs on its output
-    assert ref_q.shape == q.shape and ref_k.shape == k.shape
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -101,7 +124,8 @@ def test_store_kv_writes_only_out_loc(dtype, head_dim, device):
     k_pool = _randn((slots, num_kv_heads, head_dim), dtype, device, 9)
     v_pool = _randn((slots, num_kv_heads, head_dim), dtype, device, 10)
     expected_k, expected_v = k_pool.clone(), v_pool.clone()
-    out_loc = torch.randperm(slots, generator=torch.Generator().manual_seed(11))[:tokens].to(torch.int32).to(device)
+    out_loc = torch.randperm(slots, generator=torch.Generator().manual_seed(11))[:tokens]
+    out_loc = out_loc.to(torch.int32).to(device)
     expected_k[out_loc.long()] = k
     expected_v[out_loc.long()] = v
     store_kv(k_pool, v_pool, k, v, out_loc)
@@ -125,5 +149,5 @@ def test_fused_kernels_real_shapes_gpu():
     positions = torch.randint(0, 40960, (256,), device=device)
     expected_q, expected_k = apply_rope_reference(q, k, positions, rotary.cos_sin)
     apply_rope_inplace(q, k, positions, rotary.cos_sin)
-    torch.testing.assert_close(q, expected_q, atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(k, expected_k, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(q, expected_q, atol=4e-2, rtol=2 ** -7)
+    torch.testing.assert_close(k, expected_k, atol=4e-2, rtol=2 ** -7)

@@ -1,0 +1,334 @@
+"""Check the Triton kernels on the GPU at real model shapes, then time them.
+
+Every case is first compared with its torch reference (bf16 inputs), then timed with
+triton.testing.do_bench (median of repeated runs, L2 flushed between runs). Bandwidth is the
+bytes a kernel must move (for attention: the K/V it reads plus q and o) over its time, set
+against the H200's measured device-to-device copy ceiling of 4.26 TB/s (shared/gpu/README.md).
+
+Run from the repository root on the GPU host:
+    PYTHONPATH=$PWD python3 scripts/gpu_check.py [--sweep] [--quick]
+It imports only torch, triton and minfer.kernels, skipping minfer/__init__.py where msgspec is
+missing (the GPU host has no msgspec/pyzmq/...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import sys
+import time
+import types
+
+import torch
+import triton
+import triton.testing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "kernels")]
+if importlib.util.find_spec("msgspec") is None:
+    # minfer/__init__.py imports minfer.core, which needs msgspec (absent on the GPU host); the
+    # kernels need only torch and triton, so bind the package name to its folder without
+    # running the package's __init__.
+    package = types.ModuleType("minfer")
+    package.__path__ = [os.path.join(ROOT, "minfer")]
+    sys.modules["minfer"] = package
+
+from kernel_cases import make_paged_batch  # noqa: E402
+
+from minfer.kernels import attention_decode, attention_extend  # noqa: E402
+from minfer.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
+from minfer.kernels.attention_decode import decode_attention, decode_attention_reference  # noqa: E402
+from minfer.kernels.attention_extend import extend_attention, extend_attention_reference  # noqa: E402
+from minfer.kernels.kv_store import store_kv, store_kv_reference  # noqa: E402
+from minfer.kernels.norm import rmsnorm, rmsnorm_reference  # noqa: E402
+from minfer.kernels.rope import apply_rope_inplace, apply_rope_reference  # noqa: E402
+
+COPY_CEILING_BYTES_PER_S = 4.26e12  # H200 device-to-device copy, measured (shared/gpu/README.md)
+DTYPE = torch.bfloat16
+DEVICE = torch.device("cuda")
+TABLE_WIDTH = 40960  # the engine's page table is as wide as the longest context (Qwen3: 40960)
+PAGE_SIZE = 16
+
+MODELS = {  # name: (q heads, kv heads, head dim, hidden, intermediate)
+    "qwen3-0.6b": (16, 8, 128, 1024, 3072),
+    "llama-8b": (32, 8, 128, 4096, 14336),
+}
+
+rows: list[dict] = []
+failures: list[str] = []
+
+
+def bench_us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def graph_us(fn) -> float:
+    """Median time per call replayed from a CUDA graph, as the engine runs decode steps: no
+    Python launch cost, but also no L2 flush between calls (inputs under 60 MB stay cached)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
+
+
+def check(name: str, out: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> float:
+    err = (out.float() - expected.float()).abs().max().item()
+    try:
+        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+    except AssertionError as e:
+        failures.append(f"{name}: {str(e).splitlines()[0:4]}")
+        print(f"  FAIL {name}: max abs err {err:.3g}", flush=True)
+    return err
+
+
+def record(kernel: str, model: str, shape: str, fn, nbytes: float, err: float, extra="") -> None:
+    """Time fn both ways; bandwidth is computed from the do_bench (L2-flushed) median.
+    `extra` is a note, or a function of the median in us that returns one."""
+    us = bench_us(fn)
+    extra = extra(us) if callable(extra) else extra
+    replay_us = graph_us(fn)
+    gbs = nbytes / (us * 1e-6) / 1e9
+    row = dict(kernel=kernel, model=model, shape=shape, us=us, graph_us=replay_us, gbs=gbs,
+               pct=100 * gbs * 1e9 / COPY_CEILING_BYTES_PER_S, mb=nbytes / 1e6, err=err, extra=extra)
+    rows.append(row)
+    print(f"  {kernel:14s} {model:11s} {shape:34s} {us:9.1f} us (graph {replay_us:8.1f} us) {gbs:8.0f} GB/s "
+          f"{row['pct']:5.1f}%  err {err:.2e} {extra}", flush=True)
+
+
+def decode_case(model: str, batch_size: int, seq_lens: list[int], label: str) -> None:
+    num_heads, num_kv_heads, head_dim = MODELS[model][:3]
+    gen = torch.Generator().manual_seed(batch_size)
+    batch = make_paged_batch([s - 1 for s in seq_lens], [1] * batch_size, num_kv_heads, head_dim, PAGE_SIZE,
+                             DTYPE, DEVICE, gen, table_width=TABLE_WIDTH)
+    q = torch.randn((batch_size, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
+    args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens,
+            head_dim ** -0.5)
+    err = check(f"decode {model} {label}", decode_attention(*args), decode_attention_reference(*args),
+                1e-2, 1e-2)
+    kv_bytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * DTYPE.itemsize
+    qo_bytes = 2 * q.numel() * DTYPE.itemsize
+    splits = attention_decode.choose_num_splits(batch_size, num_kv_heads, TABLE_WIDTH, DEVICE)
+    record("decode_attn", model, f"B={batch_size} {label}", lambda: decode_attention(*args),
+           kv_bytes + qo_bytes, err, f"splits={splits}")
+    del batch
+
+
+def extend_case(model: str, prefix_lens: list[int], extend_lens: list[int], label: str) -> None:
+    num_heads, num_kv_heads, head_dim = MODELS[model][:3]
+    gen = torch.Generator().manual_seed(len(prefix_lens))
+    batch = make_paged_batch(prefix_lens, extend_lens, num_kv_heads, head_dim, PAGE_SIZE, DTYPE, DEVICE, gen,
+                             table_width=TABLE_WIDTH)
+    q = torch.randn((sum(extend_lens), num_heads, head_dim), device=DEVICE, dtype=DTYPE)
+    scale = head_dim ** -0.5
+
+    def run():
+        return extend_attention(q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx,
+                                batch.prefix_lens, batch.seq_lens, batch.cu_extend_lens, max(extend_lens),
+                                scale)
+
+    expected = extend_attention_reference(q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx,
+                                          batch.prefix_lens, batch.seq_lens, scale)
+    err = check(f"extend {model} {label}", run(), expected, 1e-2, 1e-2)
+    del expected
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    kv_bytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * DTYPE.itemsize
+    qo_bytes = 2 * q.numel() * DTYPE.itemsize
+    # causal: query j of a request sees prefix + j + 1 keys; 2 matmuls of 2 flops per multiply-add
+    pairs = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens))
+    flop = 4 * pairs * num_heads * head_dim
+    record("extend_attn", model, label, run, kv_bytes + qo_bytes, err,
+           lambda us: f"{flop / us / 1e6:.0f} TFLOP/s")
+
+
+def fused_cases(model: str, tokens: int) -> None:
+    num_heads, num_kv_heads, head_dim, hidden, inter = MODELS[model]
+    item = DTYPE.itemsize
+    x = torch.randn((tokens, hidden), device=DEVICE, dtype=DTYPE)
+    residual = torch.randn_like(x)
+    weight = torch.randn((hidden,), device=DEVICE, dtype=DTYPE)
+    out, new_res = rmsnorm(x, weight, 1e-6, residual)
+    ref_out, ref_res = rmsnorm_reference(x, weight, 1e-6, residual)
+    err = max(check(f"rmsnorm {model} T={tokens}", out, ref_out, 2e-2, 2e-2),
+              check(f"rmsnorm residual {model} T={tokens}", new_res, ref_res, 0, 0))
+    torch_us = bench_us(lambda: rmsnorm_reference(x, weight, 1e-6, residual))
+    record("rmsnorm+add", model, f"T={tokens} H={hidden}", lambda: rmsnorm(x, weight, 1e-6, residual),
+           4 * x.numel() * item, err, f"torch {torch_us:.1f} us")
+
+    gate_up = torch.randn((tokens, 2 * inter), device=DEVICE, dtype=DTYPE)
+    err = check(f"silu_and_mul {model} T={tokens}", silu_and_mul(gate_up), silu_and_mul_reference(gate_up),
+                2e-2, 2e-2)
+    torch_us = bench_us(lambda: silu_and_mul_reference(gate_up))
+    record("silu_and_mul", model, f"T={tokens} I={inter}", lambda: silu_and_mul(gate_up),
+           1.5 * gate_up.numel() * item, err, f"torch {torch_us:.1f} us")
+
+    qkv = torch.randn((tokens, (num_heads + 2 * num_kv_heads) * head_dim), device=DEVICE, dtype=DTYPE)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.view(tokens, num_heads, head_dim)
+    k = k.view(tokens, num_kv_heads, head_dim)
+    v = v.view(tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, TABLE_WIDTH, (tokens,), device=DEVICE)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim))
+    freqs = torch.arange(TABLE_WIDTH, device=DEVICE).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    ref_q, ref_k = apply_rope_reference(q, k, positions, cos_sin)
+    q2, k2 = q.clone(), k.clone()
+    apply_rope_inplace(q2, k2, positions, cos_sin)
+    # one bf16 unit: see the rope test for why the GPU may round differently from torch
+    err = max(check(f"rope q {model} T={tokens}", q2, ref_q, 4e-2, 2 ** -7),
+              check(f"rope k {model} T={tokens}", k2, ref_k, 4e-2, 2 ** -7))
+    differ = ((q2 != ref_q).float().mean().item() + (k2 != ref_k).float().mean().item()) / 2
+    torch_us = bench_us(lambda: apply_rope_reference(q, k, positions, cos_sin))
+    nbytes = 2 * (q.numel() + k.numel()) * item + tokens * head_dim * 4
+    record("rope", model, f"T={tokens} {num_heads}/{num_kv_heads}x{head_dim}",
+           lambda: apply_rope_inplace(q, k, positions, cos_sin), nbytes, err,
+           f"torch {torch_us:.1f} us; {100 * differ:.0f}% not bitwise")
+
+    slots = 4 * tokens + 64
+    k_pool = torch.zeros((slots, num_kv_heads, head_dim), device=DEVICE, dtype=DTYPE)
+    v_pool = torch.zeros_like(k_pool)
+    ref_k_pool, ref_v_pool = k_pool.clone(), v_pool.clone()
+    out_loc = torch.randperm(slots, device=DEVICE)[:tokens].to(torch.int32)
+    store_kv(k_pool, v_pool, k, v, out_loc)
+    store_kv_reference(ref_k_pool, ref_v_pool, k, v, out_loc)
+    err = max(check(f"store_kv k {model} T={tokens}", k_pool, ref_k_pool, 0, 0),
+              check(f"store_kv v {model} T={tokens}", v_pool, ref_v_pool, 0, 0))
+    torch_us = bench_us(lambda: store_kv_reference(k_pool, v_pool, k, v, out_loc))
+    record("store_kv", model, f"T={tokens} {num_kv_heads}x{head_dim}",
+           lambda: store_kv(k_pool, v_pool, k, v, out_loc), 4 * k.numel() * item, err,
+           f"torch {torch_us:.1f} us")
+
+
+def cuda_graph_case() -> None:
+    """Capture a decode step once; replays must follow lengths and page table changed in place."""
+    num_heads, num_kv_heads, head_dim = MODELS["llama-8b"][:3]
+    gen = torch.Generator().manual_seed(7)
+    batch = make_paged_batch([2000] * 64, [1] * 64, num_kv_heads, head_dim, PAGE_SIZE, DTYPE, DEVICE, gen,
+                             table_width=TABLE_WIDTH)
+    q = torch.randn((64, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
+    args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens,
+            head_dim ** -0.5)
+    decode_attention(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(*args)
+    for trial in range(3):
+        batch.seq_lens.copy_(torch.randint(1, 2002, (64,), generator=gen, dtype=torch.int32))
+        q.copy_(torch.randn(q.shape, generator=gen))
+        graph.replay()
+        check(f"decode cuda-graph replay {trial}", out, decode_attention_reference(*args), 1e-2, 1e-2)
+    seq_lens = batch.seq_lens.tolist()
+    nbytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * DTYPE.itemsize + 2 * q.numel() * DTYPE.itemsize
+    record("decode_attn", "llama-8b", "B=64 ctx 1..2001 (graph-replay check)",
+           lambda: decode_attention(*args), nbytes, 0.0)
+
+
+def sweep() -> None:
+    """Time launch configurations of both attention kernels; the defaults are not changed."""
+    print("\n== decode launch sweep (BLOCK_N, num_warps, num_stages) ==", flush=True)
+    defaults = (attention_decode.BLOCK_N, attention_decode.NUM_WARPS, attention_decode.NUM_STAGES)
+    rng = random.Random(1)
+    shapes = [("llama-8b", 64, [rng.randint(100, 2048) for _ in range(64)]),
+              ("qwen3-0.6b", 256, [rng.randint(100, 2048) for _ in range(256)]),
+              ("llama-8b", 1, [32768])]
+    cases = []
+    for model, batch_size, seq_lens in shapes:
+        num_heads, num_kv_heads, head_dim = MODELS[model][:3]
+        batch = make_paged_batch([s - 1 for s in seq_lens], [1] * batch_size, num_kv_heads, head_dim,
+                                 PAGE_SIZE, DTYPE, DEVICE, torch.Generator().manual_seed(0),
+                                 table_width=TABLE_WIDTH)
+        q = torch.randn((batch_size, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
+        nbytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * DTYPE.itemsize
+        cases.append((f"{model} B={batch_size}", nbytes,
+                      (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens,
+                       0.088)))
+    for config in [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]:
+        attention_decode.BLOCK_N, attention_decode.NUM_WARPS, attention_decode.NUM_STAGES = config
+        line = []
+        for name, nbytes, args in cases:
+            us = bench_us(lambda: decode_attention(*args))
+            line.append(f"{name}: {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s")
+        print(f"  {config}: " + " | ".join(line), flush=True)
+    attention_decode.BLOCK_N, attention_decode.NUM_WARPS, attention_decode.NUM_STAGES = defaults
+    print("\n== decode split counts (default launch configuration) ==", flush=True)
+    for name, nbytes, args in cases:
+        line = []
+        for num_splits in (1, 2, 3, 4, 6, 8, 16, 32, 64):
+            us = bench_us(lambda: decode_attention(*args, num_splits=num_splits))
+            line.append(f"{num_splits}: {us:6.1f}")
+        print(f"  {name} ({nbytes / 1e6:.0f} MB) us by splits: " + "  ".join(line), flush=True)
+    del cases
+
+    print("\n== extend launch sweep (BLOCK_M, BLOCK_N, num_warps, num_stages) ==", flush=True)
+    defaults = (attention_extend.BLOCK_M, attention_extend.BLOCK_N, attention_extend.NUM_WARPS,
+                attention_extend.NUM_STAGES)
+    num_heads, num_kv_heads, head_dim = MODELS["llama-8b"][:3]
+    batch = make_paged_batch([0, 1024], [2048, 1024], num_kv_heads, head_dim, PAGE_SIZE, DTYPE, DEVICE,
+                             torch.Generator().manual_seed(0), table_width=TABLE_WIDTH)
+    q = torch.randn((3072, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
+    flop = 4 * (2048 * 2049 // 2 + 1024 * 1024 + 1024 * 1025 // 2) * num_heads * head_dim
+    for config in [(64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3),
+                   (128, 128, 8, 2), (64, 32, 4, 3)]:
+        (attention_extend.BLOCK_M, attention_extend.BLOCK_N, attention_extend.NUM_WARPS,
+         attention_extend.NUM_STAGES) = config
+        us = bench_us(lambda: extend_attention(q, batch.k_pool, batch.v_pool, batch.page_table,
+                                               batch.table_idx, batch.prefix_lens, batch.seq_lens,
+                                               batch.cu_extend_lens, 2048, 0.088))
+        print(f"  {config}: llama-8b prefill 2048 + (1024 cached, 1024 new): {us:8.1f} us "
+              f"{flop / us / 1e6:6.1f} TFLOP/s", flush=True)
+    (attention_extend.BLOCK_M, attention_extend.BLOCK_N, attention_extend.NUM_WARPS,
+     attention_extend.NUM_STAGES) = defaults
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time attention launch configurations")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    opts = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}",
+          flush=True)
+    start = time.time()
+    rng = random.Random(0)
+    batches = (1, 64) if opts.quick else (1, 64, 256)
+
+    print("\n== decode attention (page size 16, context uniform in 100..2048) ==", flush=True)
+    for model in MODELS:
+        for batch_size in batches:
+            seq_lens = [rng.randint(100, 2048) for _ in range(batch_size)]
+            decode_case(model, batch_size, seq_lens, f"ctx 100..2048 (mean {sum(seq_lens) // batch_size})")
+        decode_case(model, 64, [2048] * 64, "ctx 2048")
+        decode_case(model, 1, [40000], "ctx 40000")
+    cuda_graph_case()
+
+    print("\n== extend attention (page size 16) ==", flush=True)
+    for model in MODELS:
+        extend_case(model, [0], [2048], "B=1 prefill 2048")
+        extend_case(model, [1536], [512], "B=1 cached 1536 + new 512")
+        prefix = [rng.randint(0, 1024) for _ in range(8)]
+        extend = [rng.randint(100, 1024) for _ in range(8)]
+        extend_case(model, prefix, extend, f"B=8 cached 0..1024 + new 100..1024 ({sum(extend)} tok)")
+
+    print("\n== fused kernels ==", flush=True)
+    for model in MODELS:
+        for tokens in (1, 64, 256, 4096):
+            fused_cases(model, tokens)
+
+    if opts.sweep:
+        sweep()
+
+    print(f"\n== summary ({time.time() - start:.0f} s; bytes = data each kernel must move; "
+          f"ceiling 4.26 TB/s) ==")
+    print(f"{'kernel':14s} {'model':11s} {'shape':46s} {'MB':>8s} {'time us':>9s} {'graph us':>9s} "
+          f"{'GB/s':>7s} {'% ceil':>7s}  notes")
+    for r in rows:
+        print(f"{r['kernel']:14s} {r['model']:11s} {r['shape']:46s} {r['mb']:8.2f} {r['us']:9.1f} "
+              f"{r['graph_us']:9.1f} {r['gbs']:7.0f} {r['pct']:6.1f}%  {r['extra']}")
+    if failures:
+        print(f"\n{len(failures)} correctness FAILURES:")
+        for f in failures:
+            print("  " + f)
+        sys.exit(1)
+    print("\nall correctness checks passed")
+
+
+if __name__ == "__main__":
+    main()
