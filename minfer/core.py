@@ -116,7 +116,7 @@ class Batch:
     reqs: list[Req]
     extend_lens: list[int]
     # Filled by the scheduler's prepare step.
-    out_loc: object = None  # device tensor [num_tokens]: the slot each new token's K/V goes to
+    out_loc: list[int] | None = None  # the slot each new token's K/V goes to, in token order
     sample_mask: list[bool] = field(default_factory=list)  # which requests get a token this pass
 
     @property

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from minfer.device import to_device
 from minfer.kvcache.pool import KVPool
 
 
@@ -60,14 +61,13 @@ def build_metadata(table_idx: list[int], prefix_lens: list[int], extend_lens: li
     cu = [0]
     for e in extend_lens:
         cu.append(cu[-1] + e)
-    packed = torch.tensor([table_idx, prefix_lens, seq_lens], dtype=torch.int32)
-    packed = packed.to(device, non_blocking=True)
+    packed = to_device([table_idx, prefix_lens, seq_lens], torch.int32, device)
     return AttentionMetadata(
         is_decode=is_decode,
         table_idx=packed[0],
         prefix_lens=packed[1],
         seq_lens=packed[2],
-        cu_extend_lens=torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True),
+        cu_extend_lens=to_device(cu, torch.int32, device),
         page_table=page_table,
         prefix_lens_cpu=prefix_lens,
         extend_lens_cpu=extend_lens,

@@ -15,6 +15,7 @@ import time
 import torch
 
 from minfer.attention.base import AttentionMetadata, ForwardContext
+from minfer.device import to_device
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +93,8 @@ class CudaGraphRunner:
         if bs > n:  # stale slots from a larger batch must not receive padded rows' K/V
             self.out_loc[n:bs].fill_(self.scratch_slot)
         pad = bs - n
-        # Pageable (not pinned) host memory: the copy is staged before this call returns, so the
-        # CPU may build the next step's metadata while this one is still queued.
-        host = torch.tensor([table_idx + [self.padding_row] * pad, [p + 1 for p in prefix_lens] + [1] * pad],
-                            dtype=torch.int32)
-        self.meta[:, :bs].copy_(host, non_blocking=True)
+        meta = to_device([table_idx + [self.padding_row] * pad, [p + 1 for p in prefix_lens] + [1] * pad],
+                         torch.int32, self.device)
+        self.meta[:, :bs].copy_(meta)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

@@ -12,6 +12,7 @@ import torch
 from minfer.attention.base import ForwardContext, build_metadata
 from minfer.config import DEFAULT_MAX_RUNNING_REQUESTS, EngineConfig
 from minfer.core import Batch, Phase
+from minfer.device import to_device
 from minfer.distributed.parallel import SINGLE, TPGroup
 from minfer.engine.memory import MemoryBudget, plan_memory
 from minfer.engine.sampler import SamplingTensors, sample
@@ -114,15 +115,16 @@ class Engine:
         prefix_lens = [r.cached_len for r in reqs]
         table_idx = [r.table_idx for r in reqs]
         if is_decode:
-            positions = torch.tensor(prefix_lens, dtype=torch.int64)
-            rows = torch.tensor(table_idx, dtype=torch.int64)
+            positions, rows = prefix_lens, table_idx
         else:
-            positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, batch.extend_lens)])
-            rows = torch.repeat_interleave(torch.tensor(table_idx, dtype=torch.int64),
-                                           torch.tensor(batch.extend_lens))
-        positions_d = positions.to(self.device, non_blocking=True)
-        input_ids = self.page_table.tokens[rows.to(self.device, non_blocking=True), positions_d].long()
-        out_loc = batch.out_loc.to(self.device, non_blocking=True)
+            positions, rows = [], []
+            for p, n, row in zip(prefix_lens, batch.extend_lens, table_idx):
+                positions.extend(range(p, p + n))
+                rows.extend([row] * n)
+        # One host-to-device copy for the three per-token vectors.
+        per_token = to_device([rows, positions, batch.out_loc], torch.int64, self.device)
+        positions_d, out_loc = per_token[1], per_token[2]
+        input_ids = self.page_table.tokens[per_token[0], positions_d].long()
         sampled_rows = [i for i, s in enumerate(batch.sample_mask) if s]
         with torch.inference_mode():
             if is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
@@ -146,9 +148,9 @@ class Engine:
             next_tokens = sample(logits, st)
             # The sampled token becomes known on the device at position device_len, where the
             # next decode step's input gather finds it without a trip through the CPU.
-            token_rows = torch.tensor([r.table_idx for r in chosen]).to(self.device, non_blocking=True)
-            token_pos = torch.tensor([r.device_len for r in chosen]).to(self.device, non_blocking=True)
-            self.page_table.tokens[token_rows, token_pos] = next_tokens.to(torch.int32)
+            where = to_device([[r.table_idx for r in chosen], [r.device_len for r in chosen]], torch.int64,
+                              self.device)
+            self.page_table.tokens[where[0], where[1]] = next_tokens.to(torch.int32)
         result = ForwardResult(next_tokens, sampled_rows)
         if self.device.type == "cuda":
             result._host = torch.empty(next_tokens.shape, dtype=next_tokens.dtype, pin_memory=True)

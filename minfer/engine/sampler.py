@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from minfer.core import SamplingParams
+from minfer.device import to_device
 
 _M32 = 0xFFFFFFFF
 
@@ -38,9 +39,8 @@ class SamplingTensors:
               device: torch.device) -> "SamplingTensors":
         temps = [0.0 if p.greedy else p.temperature for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-        floats = torch.tensor([temps, [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32)
-        ints = torch.tensor([top_k, [s & _M32 for s in seeds], positions], dtype=torch.int64)
-        floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+        floats = to_device([temps, [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
+        ints = to_device([top_k, [s & _M32 for s in seeds], positions], torch.int64, device)
         return cls(
             temperature=floats[0], top_p=floats[1], min_p=floats[2],
             top_k=ints[0], seeds=ints[1], positions=ints[2],

@@ -20,7 +20,9 @@ def setup_worker_process(name: str, log_level: str = "info") -> None:
     the kernel kills the workers too (PR_SET_PDEATHSIG), so no orphan keeps the accelerator.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # SIGTERM (the api server stopping us) unwinds normally, so exit handlers run (a killed
+    # process leaves multiprocessing locks that tqdm or torch created to the resource tracker).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -28,6 +30,10 @@ def setup_worker_process(name: str, log_level: str = "info") -> None:
     if os.getppid() == 1:  # the parent died before PDEATHSIG was armed
         os._exit(1)
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {name} %(name)s: %(message)s")
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(0)
 
 
 def parent_alive(parent_pid: int) -> bool:

@@ -66,11 +66,10 @@ class KVManager:
         req.cached_len = len(match.slots)
         if match.slots:
             n = len(match.slots)
-            self.page_table.write_slots(torch.full((n,), req.table_idx), torch.arange(n),
-                                        torch.tensor(match.slots))
+            self.page_table.write_slots([req.table_idx] * n, list(range(n)), match.slots)
 
-    def allocate(self, reqs: list[Req], extend_lens: list[int]) -> torch.Tensor:
-        """Allocate slots for each request's next `extend_lens[i]` positions; returns out_loc (CPU).
+    def allocate(self, reqs: list[Req], extend_lens: list[int]) -> list[int]:
+        """Allocate slots for each request's next `extend_lens[i]` positions; returns out_loc.
 
         The caller has checked capacity with `reserve_pages`; running short here is a bug.
         """
@@ -92,12 +91,11 @@ class KVManager:
                 for page in new_pages:
                     req_slots.extend(range(page * ps, page * ps + ps))
                 del req_slots[n:]
-            rows.append(torch.full((n,), req.table_idx, dtype=torch.int64))
-            positions.append(torch.arange(start, start + n))
+            rows.extend([req.table_idx] * n)
+            positions.extend(range(start, start + n))
             slots.extend(req_slots)
-        out_loc = torch.tensor(slots, dtype=torch.int64)
-        self.page_table.write_slots(torch.cat(rows), torch.cat(positions), out_loc)
-        return out_loc
+        self.page_table.write_slots(rows, positions, slots)
+        return slots
 
     def release(self, req: Req) -> None:
         """A request leaves (finished, aborted or preempted): the positions whose K/V and token

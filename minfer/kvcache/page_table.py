@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from minfer.device import to_device
+
 
 class PageTable:
     """`slots[row, position]` is the pool slot holding that position's K/V;
@@ -21,12 +23,14 @@ class PageTable:
         self.padding_row = max_rows
         self.slots = torch.zeros((max_rows + 1, max_len), dtype=torch.int32, device=device)
         self.tokens = torch.zeros((max_rows + 1, max_len), dtype=torch.int32, device=device)
-        self.slots_cpu = torch.zeros((max_rows + 1, max_len), dtype=torch.int32)
+        # On a CPU device the mirror is the table itself.
+        self.slots_cpu = self.slots if device.type == "cpu" else torch.zeros((max_rows + 1, max_len),
+                                                                               dtype=torch.int32)
         self._free_rows = list(range(max_rows - 1, -1, -1))
 
     def point_padding_row_at(self, slot: int) -> None:
         self.slots[self.padding_row].fill_(slot)
-        self.slots_cpu[self.padding_row].fill_(slot)
+        self.slots_cpu[self.padding_row].fill_(slot)  # the same tensor on CPU: harmless
 
     @property
     def num_free_rows(self) -> int:
@@ -39,13 +43,15 @@ class PageTable:
         self._free_rows.append(row)
 
     def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
-        self.tokens[row, start:start + len(token_ids)] = torch.tensor(token_ids, dtype=torch.int32).to(
-            self.device, non_blocking=True)
+        self.tokens[row, start:start + len(token_ids)] = to_device(token_ids, torch.int32, self.device)
 
-    def write_slots(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """Record slots for (row, position) pairs; all three are CPU int tensors of one length."""
-        self.slots_cpu[rows, positions] = slots.to(torch.int32)
-        dev = [t.to(self.device, non_blocking=True) for t in (rows, positions, slots)]
+    def write_slots(self, rows: list[int], positions: list[int], slots: list[int]) -> None:
+        """Record slots for (row, position) pairs, given as three lists of one length."""
+        packed = torch.tensor([rows, positions, slots], dtype=torch.int64)
+        self.slots_cpu[packed[0], packed[1]] = packed[2].to(torch.int32)
+        if self.slots is self.slots_cpu:
+            return
+        dev = to_device(packed, torch.int64, self.device)
         self.slots[dev[0], dev[1]] = dev[2].to(torch.int32)
 
     def row_slots(self, row: int, length: int) -> torch.Tensor:
