@@ -60,6 +60,9 @@ class SchedulerLoop:
             self.scheduler.add_request(msg.token_ids, params, uid=msg.uid)
         except InvalidRequestError as e:
             self.send_out(m.RequestFailed(uid=msg.uid, message=str(e), param=e.param))
+        except Exception as e:  # a bug must fail this request, not every request
+            log.exception("add_request failed")
+            self.send_out(m.RequestFailed(uid=msg.uid, message=f"internal error: {e}", status=500))
 
     def step(self) -> None:
         outputs = self.scheduler.step()

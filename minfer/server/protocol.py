@@ -7,7 +7,7 @@ so, rather than silently ignored, when ignoring them would change the answer.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -69,8 +69,14 @@ def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", first_param
 
 
+# More choices per prompt than this is a mistake, not a workload (each holds its own KV).
+MAX_CHOICES = 128
+# Integers cross to the workers as msgpack int64: a larger one is a 400 here, not a 500 there.
+Int = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -84,14 +90,14 @@ class _SamplingFields(_Body):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    n: int = 1
+    min_tokens: Int = 0
+    n: Int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -100,8 +106,8 @@ class _SamplingFields(_Body):
 
     def sampling_params(self, max_tokens: int | None) -> tuple[SamplingParams, bool]:
         """The request's SamplingParams, and whether max_tokens is left to fill the context."""
-        if self.n < 1:
-            raise APIError(400, f"n must be at least 1, got {self.n}", "n")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported", name)
@@ -130,10 +136,10 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -178,10 +184,10 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
 
     def check_supported(self) -> None:
         if self.logprobs or self.top_logprobs:
@@ -194,17 +200,17 @@ class ChatCompletionRequest(_SamplingFields):
 class GenerateSamplingParams(_Body):
     """SGLang's `sampling_params` (its names and defaults)."""
 
-    max_new_tokens: int | None = 128
-    min_new_tokens: int = 0
+    max_new_tokens: Int | None = 128
+    min_new_tokens: Int = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: Int = -1
     min_p: float = 0.0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
-    sampling_seed: int | None = None
-    seed: int | None = None
+    sampling_seed: Int | None = None
+    seed: Int | None = None
 
     def to_params(self) -> tuple[SamplingParams, bool]:
         auto = self.max_new_tokens is None
@@ -226,7 +232,7 @@ class GenerateRequestBody(_Body):
     """SGLang's /generate body: `text` or `input_ids`, one prompt or a batch."""
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[Int] | list[list[Int]] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
     rid: str | None = None
@@ -256,7 +262,7 @@ class TokenizeRequestBody(_Body):
 
 class DetokenizeRequestBody(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 class AbortRequestBody(_Body):

@@ -81,6 +81,18 @@ class TokenizerWorker:
         self.replies: list[m.Reply] = []  # collected while handling one batch of messages
 
     def handle(self, msg: m.Message) -> None:
+        """Handle one message; an unexpected error fails that request, not the worker."""
+        try:
+            self._dispatch(msg)
+        except Exception as e:
+            log.exception("tokenizer worker: %s failed", type(msg).__name__)
+            if isinstance(msg, m.GenerateRequest):
+                self.requests.pop(msg.uid, None)
+                self.send_api(m.RequestFailed(uid=msg.uid, message=f"tokenizer error: {e}", status=500))
+            elif isinstance(msg, m.TokenizerCall):
+                self.send_api(m.TokenizerResult(call_id=msg.call_id, error=f"tokenizer error: {e}"))
+
+    def _dispatch(self, msg: m.Message) -> None:
         if isinstance(msg, m.TokenOutputs):
             self.detokenize(msg)
         elif isinstance(msg, m.GenerateRequest):

@@ -81,6 +81,10 @@ class Server:
         return httpx.get(self.url + "/v1/server_info", timeout=10).json()
 
     def post(self, path: str, body=None, **kwargs) -> httpx.Response:
+        """POST `body` as JSON; bytes are sent as they are (for bodies json.dumps refuses: NaN)."""
+        if isinstance(body, bytes):
+            return httpx.post(self.url + path, content=body, timeout=60,
+                              headers={"content-type": "application/json"}, **kwargs)
         return httpx.post(self.url + path, json=body, timeout=60, **kwargs)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
