@@ -188,10 +188,16 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int | None = None
     logprobs: bool | None = None
     top_logprobs: Int | None = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None
 
     def check_supported(self) -> None:
         if self.logprobs or self.top_logprobs:
             raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.tools:
+            raise APIError(400, "tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {\"type\": \"text\"} is supported", "response_format")
 
     def template_messages(self) -> list[dict]:
         return [msg.as_template_input() for msg in self.messages]

@@ -348,6 +348,8 @@ BAD_REQUESTS = [
     ("unknown model chat", CHAT, {"model": "gpt-9", "messages": HELLO}, 404, "model"),
     ("stream with bad value", COMPLETIONS, {"prompt": "x", "max_tokens": 0, "stream": True}, 400, "max_tokens"),
     ("logprobs", COMPLETIONS, {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("tools", CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("json mode", CHAT, {"messages": HELLO, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("generate without prompt", "/generate", {"sampling_params": {}}, 400, "text"),
     ("generate bad temperature", "/generate", {"text": "x", "sampling_params": {"temperature": -1}}, 400,
      "sampling_params.temperature"),
