@@ -139,7 +139,7 @@ class Engine:
                 if not is_decode:
                     ends = meta.cu_extend_lens[1:].long() - 1
                     if len(sampled_rows) < len(reqs):
-                        ends = ends[torch.tensor(sampled_rows, device=self.device)]
+                        ends = ends[to_device(sampled_rows, torch.int64, self.device)]
                     hidden = hidden[ends]
                 logits = self.model.compute_logits(hidden)
             chosen = [reqs[i] for i in sampled_rows]
