@@ -97,7 +97,7 @@ class KVManager:
         self.page_table.write_slots(rows, positions, slots)
         return slots
 
-    def release(self, req: Req) -> None:
+    def release(self, req: Req) -> list[int]:
         """A request leaves (finished, aborted or preempted): the positions whose K/V and token
         are both known go to the prefix cache, every other slot goes back to the allocator.
 
@@ -117,6 +117,7 @@ class KVManager:
         req.cache_handle = None
         self.page_table.give_back_row(req.table_idx)
         req.table_idx = -1
+        return slots  # every slot the request held, for the trace: [:aligned] cached, rest freed
 
     @property
     def used_pages(self) -> int:

@@ -23,6 +23,7 @@ from minfer.config import EngineConfig
 from minfer.core import Batch, InvalidRequestError, Phase, Req, SamplingParams
 from minfer.engine.engine import Engine, ForwardResult
 from minfer.kvcache.manager import KVManager
+from minfer.observability.trace import NULL_TRACER, RequestTracer, slot_ranges
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,12 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: EngineConfig | None = None):
+    def __init__(self, engine: Engine, config: EngineConfig | None = None, tracer: RequestTracer | None = None):
         self.engine = engine
         self.config = config or engine.config
+        if tracer is None:
+            tracer = RequestTracer(self.config.trace_requests) if self.config.trace_requests else NULL_TRACER
+        self.tracer = tracer
         # Free KV a running request may need before the next admission: one page each, so an
         # admitted batch does not preempt itself on its first decode step.
         self.decode_reserve_pages = 1
@@ -102,6 +106,8 @@ class Scheduler:
         self.by_uid[uid] = req
         self.waiting.append(req)
         self.counters.prompt_tokens += len(token_ids)
+        if self.tracer.enabled:
+            self.tracer.emit("queued", uid, prompt_len=req.prompt_len, max_tokens=params.max_tokens)
         return req
 
     def abort(self, uid: int) -> StepOutput | None:
@@ -154,6 +160,11 @@ class Scheduler:
                 req.cached_len = 0
                 break
             self.waiting.popleft()
+            if self.tracer.enabled:
+                if req.output_len:
+                    self.tracer.emit("resumed", req.uid, **req.state())
+                self.tracer.emit("prefix_matched", req.uid, hit_tokens=req.cached_len,
+                                 queried_tokens=req.device_len - 1)
             free_pages -= need
             self.prefilling.append(req)
             reqs.append(req)
@@ -188,7 +199,9 @@ class Scheduler:
         """Send a request back to the front of the queue, keeping its tokens; its KV goes to the
         prefix cache (so resuming may reuse it) or back to the pool."""
         (self.prefilling if req in self.prefilling else self.running).remove(req)
-        self.kv.release(req)
+        if self.tracer.enabled:
+            self.tracer.emit("preempted", req.uid, **req.state())
+        self._release(req)
         req.cached_len = 0
         self.waiting.appendleft(req)
         self.counters.preemptions += 1
@@ -212,6 +225,8 @@ class Scheduler:
         launched = None
         if batch is not None:
             batch.out_loc = self.kv.allocate(batch.reqs, batch.extend_lens)
+            if self.tracer.enabled:
+                self._trace_scheduled(batch)
             launched = (batch, self.engine.forward_batch(batch))
             self.advance(batch)
         outputs = []
@@ -226,10 +241,19 @@ class Scheduler:
             self._count_step(batch, time.perf_counter() - start)
         return outputs
 
+    def _trace_scheduled(self, batch: Batch) -> None:
+        start = 0
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            self.tracer.emit("batch_scheduled", req.uid, phase=batch.phase.value, batch_size=batch.size, chunk=n)
+            self.tracer.emit("kv_slots_allocated", req.uid, **req.state(), num_slots=n,
+                             out_loc=slot_ranges(batch.out_loc[start:start + n]), table_idx=req.table_idx)
+            start += n
+
     def advance(self, batch: Batch) -> None:
         """The launched pass computes each request's K/V for its chunk and (where it samples) one
         more token, now known on the device."""
         for req, n, sampled in zip(batch.reqs, batch.extend_lens, batch.sample_mask):
+            before = req.state() if self.tracer.enabled else None
             req.cached_len += n
             if batch.phase == Phase.PREFILL:
                 self.counters.prefill_tokens_computed += n
@@ -238,6 +262,8 @@ class Scheduler:
                 if batch.phase == Phase.PREFILL:
                     self.prefilling.remove(req)
                     self.running.append(req)
+            if before is not None:
+                self.tracer.emit("request_state_updated", req.uid, before=before, after=req.state())
 
     def _count_step(self, batch: Batch, seconds: float) -> None:
         c = self.counters
@@ -252,10 +278,17 @@ class Scheduler:
     def process(self, batch: Batch, result: ForwardResult) -> list[StepOutput]:
         """Tokens of a finished pass reach the CPU: append them, decide which requests end."""
         outputs = []
-        for i, token in zip(result.sampled_rows, result.tokens()):
+        tokens = result.tokens()
+        if self.tracer.enabled:
+            for req in batch.reqs:
+                if not req.finished:
+                    self.tracer.emit("forward_done", req.uid, phase=batch.phase.value)
+        for i, token in zip(result.sampled_rows, tokens):
             req = batch.reqs[i]
             if req.finished:
                 continue  # aborted, or ended by the previous pass while this one was in flight
+            if self.tracer.enabled:
+                self.tracer.emit("token_sampled", req.uid, token_id=token, output_len=req.output_len + 1)
             req.token_ids.append(token)
             self.counters.generation_tokens += 1
             reason, stop_reason = self.finish_reason(req, token)
@@ -271,9 +304,22 @@ class Scheduler:
         elif req in self.waiting:  # preempted while its last pass was in flight
             self.waiting.remove(req)
         if req.table_idx >= 0:
-            self.kv.release(req)
+            self._release(req)
         req.device_len = len(req.token_ids)  # forget a pass launched after the end (overlap)
         del self.by_uid[req.uid]
+        if self.tracer.enabled:
+            event = "aborted" if reason == "abort" else "finished"
+            self.tracer.emit(event, req.uid, reason=reason, prompt_len=req.prompt_len,
+                             output_len=req.output_len, **req.state())
+
+    def _release(self, req: Req) -> None:
+        """Hand the request's KV back (prefix cache or allocator), tracing which slots went where."""
+        slots = self.kv.release(req)
+        if self.tracer.enabled:
+            ps = self.kv.page_size
+            kept = (req.cached_len // ps) * ps
+            self.tracer.emit("kv_released", req.uid, cached=slot_ranges(slots[:kept]),
+                             freed=slot_ranges(slots[kept:]), cached_len=req.cached_len)
 
     def finish_reason(self, req: Req, token: int) -> tuple[str | None, int | None]:
         p = req.params
