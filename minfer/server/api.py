@@ -178,7 +178,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     def choice_params(params: SamplingParams, j: int) -> SamplingParams:
         """Choice j of n: its own sampling stream when the request fixed a seed."""
-        return params if params.seed is None or j == 0 else msgspec.structs.replace(params, seed=params.seed + j)
+        if params.seed is None or j == 0:
+            return params
+        return msgspec.structs.replace(params, seed=(params.seed + j) % 2**63)
 
     async def start(request: Request, rid: str, prompts: list, n: int, params: SamplingParams, auto: bool,
                     chat: bool = False) -> RequestGroup:

@@ -82,3 +82,19 @@ def test_bad_model_fails_fast(tmp_path):
     assert proc.returncode == 1
     text = log.read_text()
     assert "failed to start" in text and "no-such-model" in text
+
+
+def test_sigterm_while_loading(tiny_chat_model, tmp_path):
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "minfer", "serve", tiny_chat_model, "--port", "1"],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        deadline = time.monotonic() + 60
+        while "loading" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        children = child_pids(proc.pid)
+        assert len(children) >= 2  # the two workers (and multiprocessing's resource tracker)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert wait_gone(children) == []
