@@ -40,6 +40,9 @@ class PrefixCache(Protocol):
     def release(self, handle: object | None) -> None:
         """Unlock what `match` or `insert_and_lock` locked."""
 
+    def prefix_length(self, token_ids: list[int]) -> int:
+        """Length `match` would return, with no side effect."""
+
     def insert(self, token_ids: list[int], slots: list[int], handle: object | None) -> None:
         """Give the cache the page-aligned prefix (`len(token_ids) % page_size == 0`) and its slots.
 
@@ -74,6 +77,9 @@ class NaiveCache:
 
     def release(self, handle: object | None) -> None:
         pass
+
+    def prefix_length(self, token_ids: list[int]) -> int:
+        return 0
 
     def insert(self, token_ids: list[int], slots: list[int], handle: object | None) -> None:
         self.allocator.free(self.allocator.pages_of_slots(slots))

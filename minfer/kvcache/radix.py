@@ -119,6 +119,23 @@ class RadixCache:
         """Every page the tree holds, locked or not."""
         return self._cached_pages
 
+    def prefix_length(self, token_ids: list[int]) -> int:
+        """How many leading tokens `match` would return, without splitting, locking or touching
+        the LRU order (the longest-prefix-match scheduling policy ranks waiting requests by it)."""
+        ps = self.page_size
+        node, matched = self._root, 0
+        while (child := node.children.get(tuple(token_ids[matched:matched + ps]))) is not None:
+            common = ps
+            limit = min(len(child.token_ids), len(token_ids) - matched)
+            while common + ps <= limit and (child.token_ids[common:common + ps]
+                                            == token_ids[matched + common:matched + common + ps]):
+                common += ps
+            matched += common
+            if common < len(child.token_ids):
+                break
+            node = child
+        return matched
+
     # -- tree mechanics --------------------------------------------------------------------------
     def _walk(self, token_ids: list[int]) -> list[_Node]:
         """Nodes (root excluded) along the longest whole-page match of `token_ids`, marked used.

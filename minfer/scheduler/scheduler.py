@@ -128,7 +128,20 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         return self.schedule_prefill() or self.schedule_decode()
 
+    def order_waiting(self) -> None:
+        """Longest-prefix-match policy: requests whose prompt the cache already holds most of go
+        first, so shared prefixes are reused before they are evicted. FCFS keeps arrival order.
+        Preempted requests stay at the front either way (they were admitted before)."""
+        if self.config.schedule_policy != "lpm" or len(self.waiting) < 2:
+            return
+        cache = self.kv.prefix_cache
+        resumed = [r for r in self.waiting if r.output_len]
+        fresh = sorted((r for r in self.waiting if not r.output_len),
+                       key=lambda r: -cache.prefix_length(r.token_ids[:r.device_len - 1]))
+        self.waiting = deque(resumed + fresh)
+
     def schedule_prefill(self) -> Batch | None:
+        self.order_waiting()
         budget = self.config.chunked_prefill_size
         reqs, lens = [], []
         free_pages = self.kv.available_pages - self.decode_reserve_pages * len(self.running)
