@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     from minfer.bench.offline import add_workload_args
 
     add_workload_args(offline)
+    shared = _engine_parser(bench_sub, "shared-prefix", "prefix-cache workload: one system prompt, many questions")
+    from minfer.bench import shared_prefix
+
+    shared_prefix.add_workload_args(shared)
     return parser
 
 
@@ -62,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         from minfer.server.shell import run_shell
 
         return run_shell(_engine_config(args))
+    if args.command == "bench" and args.bench_command == "shared-prefix":
+        from minfer.bench.shared_prefix import WORKLOAD_ARGS, run_shared_prefix_bench
+
+        return run_shared_prefix_bench(_engine_config(args, ("bench_command", *WORKLOAD_ARGS)), args)
     if args.command == "bench":
         from minfer.bench.offline import WORKLOAD_ARGS, run_offline_bench
 

@@ -27,6 +27,9 @@ from minfer.observability.trace import NULL_TRACER, RequestTracer, slot_ranges
 
 log = logging.getLogger(__name__)
 
+# Prompts whose first this-many tokens agree are assumed to share a prefix worth waiting for.
+SHARED_HEAD_TOKENS = 32
+
 
 @dataclass
 class StepOutput:
@@ -157,11 +160,19 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
             budget -= n
+        # Requests admitted in this batch are not in the prefix cache yet; a waiting request that
+        # starts like one of them waits a step and then reuses its prefix instead of recomputing it.
+        admitted_heads: set[tuple[int, ...]] = set()
+        deferred: list[Req] = []
         while self.waiting and budget > 0:
             active = len(self.running) + len(self.prefilling)
             if active >= self.engine.max_running_requests or self.kv.page_table.num_free_rows == 0:
                 break
             req = self.waiting[0]
+            head = tuple(req.token_ids[:min(SHARED_HEAD_TOKENS, req.device_len - 1)])
+            if len(head) == SHARED_HEAD_TOKENS and head in admitted_heads and not req.output_len:
+                deferred.append(self.waiting.popleft())
+                continue
             evictable_before = self.kv.prefix_cache.evictable_pages
             self.kv.admit(req)
             # The matched prefix is now locked: it no longer counts as room we could evict.
@@ -173,6 +184,8 @@ class Scheduler:
                 req.cached_len = 0
                 break
             self.waiting.popleft()
+            if len(head) == SHARED_HEAD_TOKENS and req.cached_len < SHARED_HEAD_TOKENS:
+                admitted_heads.add(head)
             if self.tracer.enabled:
                 if req.output_len:
                     self.tracer.emit("resumed", req.uid, **req.state())
@@ -183,6 +196,7 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         if not reqs:
             return None
         batch = Batch(Phase.PREFILL, reqs, lens)
@@ -275,6 +289,7 @@ class Scheduler:
                 if batch.phase == Phase.PREFILL:
                     self.prefilling.remove(req)
                     self.running.append(req)
+                    self.kv.cache_prompt(req)
             if before is not None:
                 self.tracer.emit("request_state_updated", req.uid, before=before, after=req.state())
 
