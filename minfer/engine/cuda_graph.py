@@ -45,7 +45,9 @@ class CudaGraphRunner:
         self.zeros = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
         self.cu = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # One logits buffer for every captured size (outside the graph pool), so the graphs do
+        # not each keep a [bs, vocab] output alive.
+        self.logits = torch.empty((self.max_bs, engine.vocab_size), dtype=torch.float32, device=dev)
         self.capture()
 
     def _context(self, bs: int) -> ForwardContext:
@@ -59,7 +61,7 @@ class CudaGraphRunner:
     def _run(self, bs: int) -> torch.Tensor:
         model = self.engine.model
         hidden = model(self.input_ids[:bs], self.positions[:bs], self._context(bs))
-        return model.compute_logits(hidden)
+        return model.compute_logits(hidden, out=self.logits[:bs])
 
     def capture(self) -> None:
         start = time.perf_counter()
@@ -72,7 +74,7 @@ class CudaGraphRunner:
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[bs] = self._run(bs)
+                    self._run(bs)
                 self.graphs[bs] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
@@ -97,4 +99,4 @@ class CudaGraphRunner:
                          torch.int32, self.device)
         self.meta[:, :bs].copy_(meta)
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        return self.logits[:n]

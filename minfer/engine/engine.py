@@ -103,6 +103,7 @@ class Engine:
             from minfer.engine.cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self, min(config.cuda_graph_max_bs, self.max_running_requests))
+            self.memory.graph_measured_bytes = self.graphs.memory_bytes
         log.info("%s", self.memory.describe(self.max_model_len))
 
     # -- one forward pass ----------------------------------------------------------------------

@@ -2,13 +2,14 @@
 
 On CUDA:
     budget         = total * mem_fraction
-    kv_pool_bytes  = budget - in_use_before - weights - activation_reserve
+    kv_pool_bytes  = budget - in_use_before - weights - activation_reserve - graph_reserve
     kv_pool_tokens = kv_pool_bytes // kv_bytes_per_token
 where `in_use_before` is memory other processes (and the CUDA context) held before minfer
-loaded anything, `weights` is measured after loading, and `activation_reserve` is the peak
-measured during a profiling forward pass of the largest prefill chunk (plus the CUDA graph
-pool once graphs are captured). On CPU the pool holds `--kv-cache-tokens` tokens.
-`--kv-cache-tokens` overrides the derived size on CUDA too.
+loaded anything, `weights` is measured after loading, `activation_reserve` is the peak
+measured during a profiling forward pass of the largest prefill chunk, and `graph_reserve`
+is set aside for the decode CUDA graphs (their real size is measured after capture and
+printed beside it). On CPU the pool holds `--kv-cache-tokens` tokens.
+`--kv-cache-tokens` overrides the derived size on CUDA too. docs/MEMORY.md works an example.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from minfer.config import CPU_DEFAULT_KV_CACHE_TOKENS
+from minfer.config import CPU_DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_RUNNING_REQUESTS
 
 GiB = 1 << 30
 
@@ -29,10 +30,12 @@ class MemoryBudget:
     in_use_before_bytes: int
     weights_bytes: int
     activation_reserve_bytes: int
+    graph_reserve_bytes: int  # set aside for CUDA graphs before sizing the pool (estimate)
     mem_fraction: float
     kv_bytes_per_token: int
     kv_pool_tokens: int
     overridden: bool  # kv_pool_tokens came from --kv-cache-tokens
+    graph_measured_bytes: int = 0  # what capturing the graphs actually took (after start-up)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,9 +50,11 @@ class MemoryBudget:
                     f"{full} concurrent requests at full context ({max_model_len} tokens)")
         return (f"memory: total {self.total_bytes / GiB:.2f} GiB x mem_fraction {self.mem_fraction} "
                 f"- in use before {self.in_use_before_bytes / GiB:.2f} - weights {self.weights_bytes / GiB:.2f} "
-                f"- activations {self.activation_reserve_bytes / GiB:.2f} = KV pool {kv_gib:.2f} GiB "
+                f"- activations {self.activation_reserve_bytes / GiB:.2f} "
+                f"- cuda graphs {self.graph_reserve_bytes / GiB:.2f} = KV pool {kv_gib:.2f} GiB "
                 f"/ {self.kv_bytes_per_token} B/token = {self.kv_pool_tokens} tokens; "
-                f"{full} concurrent requests at full context ({max_model_len} tokens)")
+                f"{full} concurrent requests at full context ({max_model_len} tokens)"
+                + (f"; graphs measured {self.graph_measured_bytes / GiB:.2f} GiB" if self.graph_measured_bytes else ""))
 
 
 def _param_bytes(model: torch.nn.Module) -> int:
@@ -67,21 +72,35 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
     per_token = engine.kv_bytes_per_token
     if engine.device.type != "cuda":
         tokens = cfg.kv_cache_tokens or CPU_DEFAULT_KV_CACHE_TOKENS
-        return MemoryBudget("cpu", 0, 0, weights, 0, cfg.mem_fraction, per_token, tokens,
+        return MemoryBudget("cpu", 0, 0, weights, 0, 0, cfg.mem_fraction, per_token, tokens,
                             cfg.kv_cache_tokens is not None)
     total = torch.cuda.mem_get_info(engine.device)[1]
     activation = profile_activation_peak(engine)
+    graphs = graph_reserve(engine)
     if cfg.kv_cache_tokens:
         tokens = cfg.kv_cache_tokens
     else:
-        kv_bytes = int(total * cfg.mem_fraction) - in_use_before - weights - activation
+        kv_bytes = int(total * cfg.mem_fraction) - in_use_before - weights - activation - graphs
         if kv_bytes < per_token * engine.max_model_len // 8:
             raise RuntimeError(
                 f"not enough device memory for a KV pool: {kv_bytes / GiB:.2f} GiB left after weights "
                 f"and activations; raise --mem-fraction or lower --chunked-prefill-size / --max-model-len")
         tokens = kv_bytes // per_token
-    return MemoryBudget("cuda", total, in_use_before, weights, activation, cfg.mem_fraction, per_token,
+    return MemoryBudget("cuda", total, in_use_before, weights, activation, graphs, cfg.mem_fraction, per_token,
                         tokens, cfg.kv_cache_tokens is not None)
+
+
+def graph_reserve(engine) -> int:
+    """Memory the decode CUDA graphs will hold: the shared float32 logits buffer, the model-dtype
+    logits inside the graph pool, and the largest batch's activations (a few hidden-size rows per
+    layer, bounded generously). Measured after capture and reported beside this estimate."""
+    cfg = engine.config
+    if engine.device.type != "cuda" or cfg.cuda_graph_max_bs <= 0:
+        return 0
+    bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS)
+    itemsize = torch.empty((), dtype=engine.dtype).element_size()
+    hidden = engine.hf_config.hidden_size + 2 * engine.hf_config.intermediate_size
+    return bs * engine.vocab_size * (4 + itemsize) + 16 * bs * hidden * itemsize + 64 * (1 << 20)
 
 
 def profile_activation_peak(engine) -> int:

@@ -126,8 +126,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits; into `out` when given (CUDA graphs share one static buffer)."""
+        logits = self.lm_head.compute_logits(hidden)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint tensors by Hugging Face name, sharding each as it arrives."""
