@@ -42,6 +42,11 @@ class EngineConfig:
     schedule_policy: str = _opt("fcfs", "order of admission: first come first served, or longest prefix "
                                 "match first", ("fcfs", "lpm"))
     tp: int = _opt(1, "tensor-parallel degree (one process per rank)")
+    nnodes: int = _opt(1, "number of nodes the tensor-parallel ranks span (tp/nnodes ranks per node)")
+    node_rank: int = _opt(0, "this node's index in [0, nnodes); node 0 runs rank 0, which serves requests")
+    dist_init_addr: str | None = _opt(
+        None, "HOST:PORT where rank 0 meets the other ranks (required with nnodes > 1; default: a free "
+        "local port)")
     cuda_graph_max_bs: int = _opt(256, "largest decode batch captured in a CUDA graph; 0 disables graphs")
     disable_overlap_schedule: bool = _opt(False, "run the CPU scheduling and the GPU step one after the other")
     seed: int = _opt(0, "seed for requests that do not bring their own")
