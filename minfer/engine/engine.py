@@ -71,6 +71,8 @@ class Engine:
         self.tp = tp
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
+            if tp.size > 1:  # one GPU per rank of this node
+                self.device = torch.device("cuda", tp.local_rank)
             torch.cuda.set_device(self.device.index or 0)
         self.source = resolve_model(config.model, config.load_format)
         self.hf_config = load_hf_config(self.source)

@@ -36,6 +36,7 @@ class MemoryBudget:
     kv_pool_tokens: int
     overridden: bool  # kv_pool_tokens came from --kv-cache-tokens
     graph_measured_bytes: int = 0  # what capturing the graphs actually took (after start-up)
+    tp_size: int = 1  # with TP: per-rank figures, and the pool is the least any rank affords
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -52,7 +53,8 @@ class MemoryBudget:
                 f"- in use before {self.in_use_before_bytes / GiB:.2f} - weights {self.weights_bytes / GiB:.2f} "
                 f"- activations {self.activation_reserve_bytes / GiB:.2f} "
                 f"- cuda graphs {self.graph_reserve_bytes / GiB:.2f} = KV pool {kv_gib:.2f} GiB "
-                f"/ {self.kv_bytes_per_token} B/token = {self.kv_pool_tokens} tokens; "
+                f"/ {self.kv_bytes_per_token} B/token = {self.kv_pool_tokens} tokens"
+                f"{f' (per rank; the least of {self.tp_size} TP ranks)' if self.tp_size > 1 else ''}; "
                 f"{full} concurrent requests at full context ({max_model_len} tokens)"
                 + (f"; graphs measured {self.graph_measured_bytes / GiB:.2f} GiB" if self.graph_measured_bytes else ""))
 
@@ -85,9 +87,10 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
             raise RuntimeError(
                 f"not enough device memory for a KV pool: {kv_bytes / GiB:.2f} GiB left after weights "
                 f"and activations; raise --mem-fraction or lower --chunked-prefill-size / --max-model-len")
-        tokens = kv_bytes // per_token
+        # Every TP rank must hold the same pool (their schedulers decide alike): the smallest.
+        tokens = engine.tp.min_over_ranks(kv_bytes // per_token)
     return MemoryBudget("cuda", total, in_use_before, weights, activation, graphs, cfg.mem_fraction, per_token,
-                        tokens, cfg.kv_cache_tokens is not None)
+                        tokens, cfg.kv_cache_tokens is not None, tp_size=engine.tp.size)
 
 
 def graph_reserve(engine) -> int:
