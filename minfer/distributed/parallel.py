@@ -1,21 +1,46 @@
 """Tensor-parallel group: which rank this process is, and the collectives the layers use.
 
 With world size 1 every collective is the identity, so the same layers serve TP=1 and TP=N.
+
+A TP job of N ranks has two process groups:
+  group      the device group the layers' all-reduce / all-gather run on (NCCL on CUDA, gloo
+             on CPU), with torch's default timeout;
+  cpu_group  a gloo group for the scheduler's per-step broadcast and start-up agreement. Its
+             timeout is effectively infinite because followers legitimately wait there for as
+             long as the server is idle; a dead peer still fails it at once (gloo sees the
+             closed socket).
+Ranks meet through a TCPStore at `--dist-init-addr` (rank 0 listens). Rank 0 waits for the
+others in Python, so it can give up with a clear error when a rank it started has died.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+# How long ranks wait for each other to show up (loading is not included: ranks meet first).
+RENDEZVOUS_TIMEOUT_S = 600
+# Followers wait in the control broadcast while the server is idle: forever, for practical purposes.
+CONTROL_TIMEOUT = datetime.timedelta(days=3650)
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed, so the whole group stops."""
 
 
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     size: int = 1
-    group: object | None = None  # a torch.distributed ProcessGroup when size > 1
+    group: object | None = None  # the device ProcessGroup when size > 1
+    cpu_group: object | None = None  # the gloo ProcessGroup for Python objects when size > 1
+    local_rank: int = 0  # index among this node's ranks: the CUDA device this rank uses
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -30,5 +55,102 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (e.g. the KV pool size each rank can afford)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's `data` on every rank (others pass None)."""
+        box = [data]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
 
 SINGLE = TPGroup()
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where each rank of a `--tp N --nnodes M` job runs: N/M consecutive ranks per node."""
+
+    tp: int
+    nnodes: int
+    node_rank: int
+
+    @classmethod
+    def of(cls, config) -> RankLayout:
+        layout = cls(config.tp, config.nnodes, config.node_rank)
+        if layout.tp < 1:
+            raise ValueError(f"tp={layout.tp} must be at least 1")
+        if layout.nnodes < 1 or layout.tp % layout.nnodes:
+            raise ValueError(f"tp={layout.tp} must be a multiple of nnodes={layout.nnodes} (ranks per node)")
+        if not 0 <= layout.node_rank < layout.nnodes:
+            raise ValueError(f"node_rank={layout.node_rank} must be in [0, nnodes={layout.nnodes})")
+        if layout.nnodes > 1 and not config.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr=HOST:PORT (node 0's address) on every node")
+        return layout
+
+    @property
+    def per_node(self) -> int:
+        return self.tp // self.nnodes
+
+    @property
+    def node_ranks(self) -> list[int]:
+        return list(range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node))
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"dist_init_addr={addr!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def create_store(config, rank: int) -> dist.TCPStore:
+    """Rank 0 listens at `config.dist_init_addr` (port 0: any free port, read back from
+    `store.port`); other ranks connect there, retrying until rank 0 is up."""
+    host, port = split_addr(config.dist_init_addr or "127.0.0.1:0")
+    timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+    if rank == 0:
+        return dist.TCPStore(host, port, config.tp, is_master=True, timeout=timeout, wait_for_workers=False)
+    return dist.TCPStore(host, port, config.tp, is_master=False, timeout=timeout)
+
+
+def join_tp_group(config, rank: int, store: dist.TCPStore, device_type: str,
+                  check_peers: Callable[[], None] | None = None) -> TPGroup:
+    """Make this process rank `rank` of the TP group: meet the other ranks at the store, then
+    create the device group and the control group. On rank 0, `check_peers` raises when a
+    rank it started has died, instead of waiting for the rendezvous timeout."""
+    layout = RankLayout.of(config)
+    store.add("minfer/joined", 1)
+    if rank == 0:
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+        while store.add("minfer/joined", 0) < config.tp:
+            if check_peers is not None:
+                check_peers()
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"only {store.add('minfer/joined', 0)} of {config.tp} tensor-parallel "
+                                          f"ranks joined within {RENDEZVOUS_TIMEOUT_S} s")
+            time.sleep(0.02)
+    local_rank = rank - layout.node_rank * layout.per_node
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    else:  # ranks of a node share its cores: N ranks each using every core would thrash
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.per_node))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=config.tp)
+    cpu_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return TPGroup(rank, config.tp, dist.group.WORLD, cpu_group, local_rank)
+
+
+def leave_tp_group() -> None:
+    """Destroy this process's groups, so that a later TP job in the same process can start."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a peer already gone must not stop the cleanup
+            pass
