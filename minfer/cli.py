@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     from minfer.bench import shared_prefix
 
     shared_prefix.add_workload_args(shared)
+    from minfer.observability.trace_cli import add_trace_parser
+
+    add_trace_parser(sub)
     return parser
 
 
@@ -74,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         from minfer.bench.offline import WORKLOAD_ARGS, run_offline_bench
 
         return run_offline_bench(_engine_config(args, ("bench_command", *WORKLOAD_ARGS)), args)
+    if args.command == "trace":
+        from minfer.observability.trace_cli import run_trace
+
+        return run_trace(args)
     return 2
 
 
