@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Sequence
 
 from minfer.config import EngineConfig, config_from_kwargs
 from minfer.core import InvalidRequestError, RequestOutput, SamplingParams
+from minfer.distributed.ranks import run_worker_node, start_rank_zero
 from minfer.engine.engine import Engine
 from minfer.scheduler.scheduler import Scheduler
 
@@ -25,9 +27,24 @@ class LLM:
     def __init__(self, model: str | None = None, **options):
         self.config: EngineConfig = config_from_kwargs(EngineConfig, {"model": model, **options})
         logging.basicConfig(level=self.config.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
-        self.engine = Engine(self.config)
-        self.scheduler = Scheduler(self.engine)
+        if self.config.node_rank > 0:  # a worker node of a multi-node job has nothing else to do
+            raise SystemExit(run_worker_node(self.config))
+        # With tp > 1 this process is rank 0 and starts this node's other ranks; the leader
+        # broadcasts each step's request changes to them.
+        self.tp_leader = start_rank_zero(self.config, spawn_followers=True)
+        weakref.finalize(self, self.tp_leader.shutdown)
+        try:
+            self.engine = Engine(self.config, self.tp_leader.tp)
+            self.scheduler = Scheduler(self.engine)
+            self.tp_leader.agree(self.engine)
+        except BaseException:
+            self.tp_leader.shutdown(graceful=False)
+            raise
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (also done at exit); a no-op with tp=1."""
+        self.tp_leader.shutdown()
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -75,7 +92,10 @@ class LLM:
         sched = self.scheduler
         for p in params:
             p.validate()  # all or nothing: reject before queueing any
-        reqs = [sched.add_request(ids, p) for ids, p in zip(prompts, params)]
+        reqs = []
+        for ids, p in zip(prompts, params):
+            reqs.append(sched.add_request(ids, p))
+            self.tp_leader.requests_added(reqs[-1:])  # the other TP ranks add it before the next step
         pending = {r.uid for r in reqs}
         bar = None
         if use_tqdm and len(reqs) > 1:
@@ -83,7 +103,7 @@ class LLM:
 
             bar = tqdm(total=len(reqs), desc="generating", unit="req")
         while pending:
-            for out in sched.step():
+            for out in self.tp_leader.step(sched):
                 if out.finish_reason and out.uid in pending:
                     pending.discard(out.uid)
                     if bar:

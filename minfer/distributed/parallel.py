@@ -15,11 +15,12 @@ others in Python, so it can give up with a clear error when a rank it started ha
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -150,7 +151,5 @@ def join_tp_group(config, rank: int, store: dist.TCPStore, device_type: str,
 def leave_tp_group() -> None:
     """Destroy this process's groups, so that a later TP job in the same process can start."""
     if dist.is_initialized():
-        try:
+        with contextlib.suppress(Exception):  # a peer already gone must not stop the cleanup
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a peer already gone must not stop the cleanup
-            pass

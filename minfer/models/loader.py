@@ -95,7 +95,43 @@ def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
     return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointSlice:
+    """A checkpoint tensor not read yet. The TP weight loaders only `narrow` or slice what they
+    load, so each rank reads just its shard from the (memory-mapped) file, never the full
+    tensor. `.to(dtype)` is deferred to the read. Any other torch op reads the whole tensor."""
+
+    def __init__(self, lazy, dtype: torch.dtype | None = None):
+        self._lazy = lazy  # a safetensors PySafeSlice
+        self._dtype = dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._lazy.get_shape())
+
+    def to(self, dtype: torch.dtype) -> CheckpointSlice:
+        return CheckpointSlice(self._lazy, dtype)
+
+    def _read(self, index) -> torch.Tensor:
+        t = self._lazy[index]
+        return t if self._dtype is None else t.to(self._dtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._read((slice(None),) * dim + (slice(start, start + length),))
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._read(index)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def full(a):
+            return a._read(slice(None)) if isinstance(a, CheckpointSlice) else a
+
+        return func(*map(full, args), **{k: full(v) for k, v in (kwargs or {}).items()})
+
+
+def safetensors_weights(path: str, sliced: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every checkpoint tensor; with `sliced`, matrices come as
+    CheckpointSlice so that a tensor-parallel rank reads only its shard."""
     from safetensors import safe_open
 
     index = os.path.join(path, "model.safetensors.index.json")
@@ -115,7 +151,9 @@ def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for file in bar:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                lazy = f.get_slice(name) if sliced else None
+                yield name, (CheckpointSlice(lazy) if lazy is not None and len(lazy.get_shape()) >= 2
+                             else f.get_tensor(name))
 
 
 def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
@@ -146,7 +184,7 @@ def build_model(source: ModelSource, hf_config, dtype: torch.dtype, device: torc
 
         model.load_weights(gguf_weights(source.path))
     else:
-        model.load_weights(safetensors_weights(source.path))
+        model.load_weights(safetensors_weights(source.path, sliced=tp.size > 1))
     model.eval()
     return model
 

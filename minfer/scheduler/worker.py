@@ -21,6 +21,7 @@ from minfer.ipc.process import parent_alive, setup_worker_process
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
 
 if TYPE_CHECKING:  # the api server imports this module to spawn it; torch loads in the child only
+    from minfer.distributed.step_sync import StepLeader
     from minfer.scheduler.scheduler import Scheduler, StepOutput
 
 log = logging.getLogger(__name__)
@@ -29,9 +30,16 @@ log = logging.getLogger(__name__)
 class SchedulerLoop:
     """Message handling around a Scheduler, separate from the sockets so tests can drive it."""
 
-    def __init__(self, scheduler: Scheduler, send_out):
+    def __init__(self, scheduler: Scheduler, send_out, tp_leader: StepLeader | None = None):
         self.scheduler = scheduler
         self.send_out = send_out
+        if tp_leader is None:
+            from minfer.distributed.parallel import SINGLE
+            from minfer.distributed.step_sync import StepLeader
+
+            tp_leader = StepLeader(SINGLE)
+        # With tensor parallelism, request changes reach the other ranks through the leader.
+        self.tp_leader = tp_leader
 
     @property
     def max_request_tokens(self) -> int:
@@ -46,6 +54,7 @@ class SchedulerLoop:
         elif isinstance(msg, m.AbortRequest):
             out = self.scheduler.abort(msg.uid)
             if out is not None:
+                self.tp_leader.request_aborted(msg.uid)
                 self.send_outputs([out])
         elif isinstance(msg, m.InfoQuery):
             self.send_out(m.InfoReply(call_id=msg.call_id, info=self.live_info()))
@@ -57,7 +66,7 @@ class SchedulerLoop:
         if msg.max_tokens_auto:
             params.max_tokens = max(1, self.max_request_tokens - len(msg.token_ids))
         try:
-            self.scheduler.add_request(msg.token_ids, params, uid=msg.uid)
+            self.tp_leader.requests_added([self.scheduler.add_request(msg.token_ids, params, uid=msg.uid)])
         except InvalidRequestError as e:
             self.send_out(m.RequestFailed(uid=msg.uid, message=str(e), param=e.param))
         except Exception as e:  # a bug must fail this request, not every request
@@ -65,7 +74,7 @@ class SchedulerLoop:
             self.send_out(m.RequestFailed(uid=msg.uid, message=f"internal error: {e}", status=500))
 
     def step(self) -> None:
-        outputs = self.scheduler.step()
+        outputs = self.tp_leader.step(self.scheduler)
         if outputs:
             self.send_outputs(outputs)
 
@@ -101,19 +110,26 @@ def run_scheduler_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
     sock = inbox(ctx, endpoints.scheduler)
     to_tokenizer = outbox(ctx, endpoints.tokenizer)
     try:
+        from minfer.distributed.ranks import start_rank_zero
         from minfer.engine.engine import Engine
         from minfer.scheduler.scheduler import Scheduler
 
-        scheduler = Scheduler(Engine(config))
+        # With --tp N this is rank 0; launch.py started the other ranks.
+        tp_leader = start_rank_zero(config, spawn_followers=False)
+        scheduler = Scheduler(Engine(config, tp_leader.tp))
+        tp_leader.agree(scheduler.engine)
     except Exception as e:
         log.exception("the engine failed to start")
         send(to_tokenizer, m.WorkerFailed(role="scheduler", message=f"{type(e).__name__}: {e}"))
         to_tokenizer.close(linger=2000)  # deliver the failure before exiting
         raise SystemExit(1)
-    loop = SchedulerLoop(scheduler, lambda msg: send(to_tokenizer, msg))
+    loop = SchedulerLoop(scheduler, lambda msg: send(to_tokenizer, msg), tp_leader)
     send(to_tokenizer, m.WorkerReady(role="scheduler", pid=os.getpid(), info=loop.startup_info()))
-    while parent_alive(parent_pid):
-        for msg in recv_ready(sock, timeout_ms=0 if scheduler.has_work else 1000):
-            loop.handle(msg)
-        if scheduler.has_work:
-            loop.step()
+    try:
+        while parent_alive(parent_pid):
+            for msg in recv_ready(sock, timeout_ms=0 if scheduler.has_work else 1000):
+                loop.handle(msg)
+            if scheduler.has_work:
+                loop.step()
+    finally:
+        tp_leader.shutdown()

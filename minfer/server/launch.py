@@ -12,6 +12,7 @@ If this process is killed outright, the kernel kills the workers (ipc/process.py
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -23,6 +24,7 @@ import time
 import zmq
 
 from minfer.config import EngineConfig, ServerConfig
+from minfer.distributed.ranks import free_local_addr, run_follower_rank, run_worker_node
 from minfer.ipc import messages as m
 from minfer.ipc.process import dead_workers
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready
@@ -49,23 +51,29 @@ class Workers:
     def __init__(self, config: EngineConfig, endpoints: Endpoints):
         ctx = mp.get_context("spawn")
         me = os.getpid()
+        if config.tp > 1 and not config.dist_init_addr:  # where the scheduler (rank 0) meets the others
+            config = dataclasses.replace(config, dist_init_addr=free_local_addr())
         self.procs = {
             "scheduler": ctx.Process(target=run_scheduler_worker, args=(config, endpoints, me),
                                      name="minfer-scheduler", daemon=True),
             "tokenizer": ctx.Process(target=run_tokenizer_worker, args=(config, endpoints, me),
                                      name="minfer-tokenizer", daemon=True),
         }
+        # Tensor-parallel ranks 1..N-1 of this node: they talk only to the scheduler (rank 0).
+        self.tp_ranks = {f"tp-rank-{rank}": ctx.Process(target=run_follower_rank, args=(config, rank),
+                                                         name=f"minfer-tp{rank}", daemon=True)
+                         for rank in range(1, config.tp // config.nnodes)}
 
     def start(self) -> None:
-        for proc in self.procs.values():
+        for proc in [*self.procs.values(), *self.tp_ranks.values()]:
             proc.start()
 
     def dead(self) -> list[str]:
-        return dead_workers(self.procs)
+        return dead_workers({**self.procs, **self.tp_ranks})
 
     def stop(self) -> None:
         """SIGTERM each child, then SIGKILL whatever is still there after a timeout."""
-        live = [p for p in self.procs.values() if p.pid is not None and p.is_alive()]
+        live = [p for p in [*self.procs.values(), *self.tp_ranks.values()] if p.pid is not None and p.is_alive()]
         for proc in live:
             proc.terminate()
         deadline = time.monotonic() + WORKER_STOP_TIMEOUT_S
@@ -98,6 +106,8 @@ def _raise_interrupt(signum, frame):
 def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     """Run the server until a signal or a dead worker; returns the exit code."""
     logging.basicConfig(level=engine_cfg.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    if engine_cfg.node_rank > 0:  # a worker node of a multi-node job: its ranks only, no HTTP
+        return run_worker_node(engine_cfg)
     ipc_dir = tempfile.mkdtemp(prefix="minfer-ipc-")
     endpoints = Endpoints.in_dir(ipc_dir)
     zctx = zmq.Context()

@@ -1,0 +1,118 @@
+"""Tensor parallelism on CPU (gloo): `tp=2` generates exactly the tokens of `tp=1`.
+
+Each case loads a tiny random model twice, in this process (tp=1) and as rank 0 of a two-rank
+group whose rank 1 is a subprocess. Greedy and seeded sampling both must agree token for token
+(the shards sum in another order, so logits differ in the last float32 bits; a flip would need
+a near-tie, and these models have none).
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+from tiny_models import save_tiny_model
+
+from minfer import LLM, SamplingParams
+from minfer.distributed.ranks import free_local_addr
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=7)
+
+
+def prompts(n: int = 6, longest: int = 40, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(1, longest))] for _ in range(n)]
+
+
+def run(path: str, batch: list[list[int]], **options) -> tuple[list[list[int]], LLM]:
+    llm = LLM(path, log_level="warning", **options)
+    try:
+        greedy = llm.generate(batch, GREEDY, use_tqdm=False)
+        sampled = llm.generate(batch, SAMPLED, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [o.token_ids for o in greedy + sampled], llm
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    made = {}
+
+    def get(arch: str, kv_heads: int) -> str:
+        if (arch, kv_heads) not in made:
+            path = tmp_path_factory.mktemp(f"tp-{arch}-kv{kv_heads}")
+            save_tiny_model(arch, path, num_key_value_heads=kv_heads)
+            made[arch, kv_heads] = str(path)
+        return made[arch, kv_heads]
+
+    return get
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("mistral", 2),
+                                           ("llama", 1), ("qwen3", 1)])
+def test_tp2_matches_tp1(model_dir, arch, kv_heads):
+    """kv_heads=2: one KV head per rank; kv_heads=1: the KV head is replicated on both ranks."""
+    path, batch = model_dir(arch, kv_heads), prompts()
+    expected, _ = run(path, batch)
+    got, llm = run(path, batch, tp=2)
+    assert llm.engine.num_kv_heads == 1 and llm.engine.tp.size == 2
+    assert got == expected
+
+
+def test_tp2_matches_tp1_under_preemption_and_chunking(model_dir):
+    """A KV pool too small for the batch and 16-token prefill chunks: the ranks' schedulers must
+    preempt and chunk alike."""
+    path, batch = model_dir("llama", 1), prompts(n=8, longest=60, seed=1)
+    options = {"kv_cache_tokens": 160, "page_size": 4, "chunked_prefill_size": 16}
+    expected, reference = run(path, batch, **options)
+    assert reference.scheduler.counters.preemptions > 0
+    got, llm = run(path, batch, tp=2, **options)
+    assert llm.scheduler.counters.preemptions == reference.scheduler.counters.preemptions
+    assert got == expected
+
+
+def test_abort_reaches_every_rank(model_dir):
+    """Requests added and aborted between steps (as the serving loop does): rank 1 replays the
+    same changes, so the tokens stay identical (rank 1 checks each step's tokens against rank 0)."""
+    path = model_dir("mistral", 2)
+
+    def drive(llm: LLM) -> list[list[int]]:
+        sched, leader = llm.scheduler, llm.tp_leader
+        reqs = [sched.add_request(p, GREEDY.__copy__()) for p in prompts(4)]
+        leader.requests_added(reqs)
+        for step in range(12):
+            if step == 3:
+                leader.request_aborted(reqs[1].uid)
+                sched.abort(reqs[1].uid)
+            if step == 5:
+                late = sched.add_request(prompts(1, seed=9)[0], SAMPLED.__copy__())
+                leader.requests_added([late])
+                reqs.append(late)
+            leader.step(sched)
+        while sched.has_work:
+            leader.step(sched)
+        llm.shutdown()
+        return [r.output_ids for r in reqs]
+
+    expected = drive(LLM(path, log_level="warning"))
+    assert drive(LLM(path, tp=2, log_level="warning")) == expected
+
+
+def test_two_nodes_same_code_path(model_dir, tmp_path):
+    """nnodes=2 on one host: node 1 is `LLM(..., node_rank=1)` in another process, which serves
+    its rank until node 0 shuts down and then exits 0."""
+    path, batch = model_dir("qwen3", 2), prompts()
+    expected, _ = run(path, batch)
+    addr = free_local_addr()
+    code = (f"from minfer import LLM; LLM({path!r}, tp=2, nnodes=2, node_rank=1, dist_init_addr={addr!r}, "
+            f"log_level='warning')")
+    node1 = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        got, _ = run(path, batch, tp=2, nnodes=2, node_rank=0, dist_init_addr=addr)
+        assert node1.wait(timeout=30) == 0
+    finally:
+        node1.kill()
+    assert got == expected
