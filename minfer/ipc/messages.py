@@ -78,6 +78,8 @@ class TokenOutputs(Message):
     token_ids: list[int | None]  # None: the request ended without a new token (abort)
     finish_reasons: list[str | None]
     stop_reasons: list[int | None]
+    # uid -> (queue_s, prefill_s) of the requests whose first token is in this message.
+    first_token_timings: dict[int, tuple[float, float]] = msgspec.field(default_factory=dict)
 
 
 class RequestFailed(Message):
@@ -120,6 +122,8 @@ class Reply(msgspec.Struct, array_like=True):
     completion_tokens: int  # cumulative
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    queue_s: float | None = None  # with the first token: scheduler arrival -> admission
+    prefill_s: float | None = None  # with the first token: admission -> first token
 
 
 class ReplyBatch(Message):

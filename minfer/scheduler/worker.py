@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import TYPE_CHECKING
 
 import zmq
@@ -19,6 +20,7 @@ from minfer.core import InvalidRequestError
 from minfer.ipc import messages as m
 from minfer.ipc.process import parent_alive, setup_worker_process
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
+from minfer.observability.metrics import RequestTimer, StatsLogger, scheduler_stats
 
 if TYPE_CHECKING:  # the api server imports this module to spawn it; torch loads in the child only
     from minfer.distributed.step_sync import StepLeader
@@ -40,6 +42,8 @@ class SchedulerLoop:
             tp_leader = StepLeader(SINGLE)
         # With tensor parallelism, request changes reach the other ranks through the leader.
         self.tp_leader = tp_leader
+        self.timer = RequestTimer()  # queue and prefill time, sent with each first token
+        self.stats_log = StatsLogger()
 
     @property
     def max_request_tokens(self) -> int:
@@ -51,6 +55,9 @@ class SchedulerLoop:
     def handle(self, msg: m.Message) -> None:
         if isinstance(msg, m.TokenizedRequest):
             self.add(msg)
+            req = self.scheduler.by_uid.get(msg.uid)
+            if req is not None:
+                self.timer.arrived(msg.uid, req.arrival_time)
         elif isinstance(msg, m.AbortRequest):
             out = self.scheduler.abort(msg.uid)
             if out is not None:
@@ -74,14 +81,25 @@ class SchedulerLoop:
             self.send_out(m.RequestFailed(uid=msg.uid, message=f"internal error: {e}", status=500))
 
     def step(self) -> None:
+        start = time.monotonic()
+        prefill_steps = self.scheduler.counters.prefill_steps
         outputs = self.tp_leader.step(self.scheduler)
+        self.timer.after_step(self.scheduler, start, self.scheduler.counters.prefill_steps != prefill_steps)
         if outputs:
-            self.send_outputs(outputs)
+            self.send_outputs(outputs, start)
+        self.stats_log.maybe_log(self.scheduler)
 
-    def send_outputs(self, outputs: list[StepOutput]) -> None:
+    def send_outputs(self, outputs: list[StepOutput], step_start: float | None = None) -> None:
+        now = time.monotonic()
+        timings = {}
+        for o in outputs:
+            if o.token_id is not None and (t := self.timer.first_token(o.uid, step_start or now, now)):
+                timings[o.uid] = t
+            if o.finish_reason:
+                self.timer.forget(o.uid)
         self.send_out(m.TokenOutputs(uids=[o.uid for o in outputs], token_ids=[o.token_id for o in outputs],
                                      finish_reasons=[o.finish_reason for o in outputs],
-                                     stop_reasons=[o.stop_reason for o in outputs]))
+                                     stop_reasons=[o.stop_reason for o in outputs], first_token_timings=timings))
 
     def startup_info(self) -> dict:
         engine = self.scheduler.engine
@@ -100,6 +118,7 @@ class SchedulerLoop:
             "requests": {"waiting": len(sched.waiting), "prefilling": len(sched.prefilling),
                          "running": len(sched.running)},
             "counters": dataclasses.asdict(sched.counters),
+            "stats": scheduler_stats(sched),  # what /metrics exports
         }
 
 

@@ -19,6 +19,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minfer import __version__
@@ -41,6 +42,7 @@ from minfer.server.protocol import (
 log = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
+METRICS_SCRAPE_TIMEOUT_S = 2.0
 
 
 def sse(obj) -> bytes:
@@ -89,6 +91,9 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    finish_time: float | None = None
+    queue_s: float | None = None  # measured by the scheduler, sent with the first token
+    prefill_s: float | None = None
 
     def add(self, reply: m.Reply) -> None:
         self.text += reply.text
@@ -99,6 +104,10 @@ class Choice:
         self.stop_reason = reply.stop_reason
         if self.first_token_time is None and reply.token_ids:
             self.first_token_time = time.monotonic()
+        if reply.queue_s is not None:
+            self.queue_s, self.prefill_s = reply.queue_s, reply.prefill_s
+        if reply.finish_reason is not None:
+            self.finish_time = time.monotonic()
 
 
 def usage(choices: dict[int, Choice], n: int) -> dict:
@@ -350,9 +359,11 @@ def build_app(state: ServerState) -> FastAPI:
                 reason = {"type": "length", "length": c.completion_tokens}
             elif c.finish_reason is not None:
                 reason = {"type": c.finish_reason, "matched": c.stop_reason}
-            now = time.monotonic()
-            timings = {"first_token_s": None if c.first_token_time is None else c.first_token_time - arrival,
-                       "e2e_s": now - arrival}
+            end = c.finish_time if c.finish_time is not None else time.monotonic()
+            first = c.first_token_time
+            timings = {"queue_s": c.queue_s, "prefill_s": c.prefill_s,
+                       "first_token_s": None if first is None else first - arrival,
+                       "decode_s": None if first is None else end - first, "e2e_s": end - arrival}
             meta = {"id": rid if not batched else f"{rid}-{index}", "prompt_tokens": c.prompt_tokens,
                     "completion_tokens": c.completion_tokens, "finish_reason": reason,
                     "e2e_latency": timings["e2e_s"], "timings": timings}
@@ -426,6 +437,15 @@ def build_app(state: ServerState) -> FastAPI:
         if state.alive():
             return Response(status_code=200)
         return json_response(APIError(503, client.failure or state.why_dead()).body(), 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        try:  # the scheduler's gauges and totals, fresh for this scrape
+            live = await client.call(m.InfoQuery(call_id=next(client.call_ids)), timeout=METRICS_SCRAPE_TIMEOUT_S)
+            client.metrics.update_scheduler(live.info.get("stats", {}))
+        except APIError:
+            pass  # a busy or dead scheduler: serve its last snapshot (/health says which)
+        return Response(client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():

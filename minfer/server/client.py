@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import zmq
@@ -18,6 +19,8 @@ import zmq.asyncio
 
 from minfer.ipc import messages as m
 from minfer.ipc.sockets import send
+from minfer.observability.metrics import ServerMetrics
+from minfer.observability.trace import NULL_TRACER, RequestTracer
 from minfer.server.protocol import APIError
 
 log = logging.getLogger(__name__)
@@ -26,9 +29,11 @@ Event = m.Reply | m.RequestFailed
 
 
 class EngineClient:
-    def __init__(self, inbox: zmq.Socket, to_tokenizer: zmq.Socket):
+    def __init__(self, inbox: zmq.Socket, to_tokenizer: zmq.Socket, tracer: RequestTracer = NULL_TRACER):
         self.inbox = inbox  # bound, synchronous; shadowed by an asyncio socket in `start`
         self.to_tokenizer = to_tokenizer
+        self.tracer = tracer
+        self.metrics = ServerMetrics()  # every request passes here: latencies are measured here
         self.queues: dict[int, asyncio.Queue] = {}  # uid -> queue of its HTTP request
         self.calls: dict[int, asyncio.Future] = {}
         self.uids = itertools.count()
@@ -46,13 +51,16 @@ class EngineClient:
 
     def route(self, msg: m.Message) -> None:
         if isinstance(msg, m.ReplyBatch):
+            now = time.monotonic()
             for reply in msg.replies:
+                self.metrics.reply(reply, now)
                 queue = self.queues.get(reply.uid)
                 if queue is not None:
                     queue.put_nowait(reply)
                     if reply.finish_reason is not None:
                         del self.queues[reply.uid]
         elif isinstance(msg, m.RequestFailed):
+            self.metrics.request_failed(msg.uid)
             queue = self.queues.pop(msg.uid, None)
             if queue is not None:
                 queue.put_nowait(msg)
@@ -70,6 +78,9 @@ class EngineClient:
         if self.failure:
             raise APIError(503, self.failure)
         self.queues[request.uid] = queue
+        self.metrics.request_started(request.uid, time.monotonic())
+        if self.tracer.enabled:
+            self.tracer.emit("received", request.uid)
         send(self.to_tokenizer, request)
 
     def abort(self, uid: int, forget: bool = True) -> None:
@@ -96,6 +107,7 @@ class EngineClient:
     def fail_all(self, reason: str) -> None:
         """A worker died: end every open request and call with a 503."""
         self.failure = reason
+        self.metrics.clear()
         for uid, queue in list(self.queues.items()):
             queue.put_nowait(m.RequestFailed(uid=uid, message=reason, status=503))
         self.queues.clear()

@@ -28,6 +28,7 @@ from minfer.distributed.ranks import free_local_addr, run_follower_rank, run_wor
 from minfer.ipc import messages as m
 from minfer.ipc.process import dead_workers
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready
+from minfer.observability.trace import NULL_TRACER, RequestTracer
 from minfer.scheduler.worker import run_scheduler_worker
 from minfer.server.client import EngineClient
 from minfer.tokenizer.worker import run_tokenizer_worker
@@ -145,7 +146,9 @@ async def _serve_http(engine_cfg: EngineConfig, server_cfg: ServerConfig, ready:
 
     from minfer.server.api import ServerState, build_app
 
-    client = EngineClient(api_inbox, to_tokenizer)
+    # This process starts the run, so it empties the trace file the workers append to.
+    tracer = RequestTracer(engine_cfg.trace_requests, truncate=True) if engine_cfg.trace_requests else NULL_TRACER
+    client = EngineClient(api_inbox, to_tokenizer, tracer)
     client.start()
     info = ready["scheduler"]
     state = ServerState(client=client, model_name=server_cfg.served_model_name or engine_cfg.model or info["model"],

@@ -21,6 +21,7 @@ from minfer.core import InvalidRequestError
 from minfer.ipc import messages as m
 from minfer.ipc.process import parent_alive, setup_worker_process
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
+from minfer.observability.trace import NULL_TRACER, RequestTracer
 from minfer.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,9 @@ class _Detok:
 class TokenizerWorker:
     """The worker's state and message handling, separate from its sockets so tests can drive it."""
 
-    def __init__(self, tokenizer, send_scheduler, send_api):
+    def __init__(self, tokenizer, send_scheduler, send_api, tracer: RequestTracer = NULL_TRACER):
         self.tokenizer = tokenizer
+        self.tracer = tracer
         self.send_scheduler = send_scheduler
         self.send_api = send_api
         self.requests: dict[int, _Detok] = {}
@@ -123,6 +125,8 @@ class TokenizerWorker:
         except InvalidRequestError as e:
             self.send_api(m.RequestFailed(uid=req.uid, message=str(e), param=e.param))
             return
+        if self.tracer.enabled:
+            self.tracer.emit("tokenized", req.uid, prompt_len=len(ids))
         detok = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         self.requests[req.uid] = _Detok(detok, len(ids))
         self.send_scheduler(m.TokenizedRequest(uid=req.uid, token_ids=ids, params=req.params,
@@ -147,8 +151,12 @@ class TokenizerWorker:
                 text += detok.flush()
                 del self.requests[uid]
             if text or tokens or finish:
+                queue_s, prefill_s = out.first_token_timings.get(uid, (None, None))
                 self.replies.append(m.Reply(uid, text, tokens, state.prompt_tokens, state.completion_tokens,
-                                            finish, stop_reason))
+                                            finish, stop_reason, queue_s, prefill_s))
+                if self.tracer.enabled:
+                    self.tracer.emit("detokenized", uid, text_len=len(text),
+                                     completion_tokens=state.completion_tokens, finish_reason=finish)
 
     # -- /tokenize, /detokenize, /tokenizer_info -----------------------------------------------
     def answer(self, call: m.TokenizerCall) -> m.TokenizerResult:
@@ -190,7 +198,8 @@ def run_tokenizer_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
         send(to_api, m.WorkerFailed(role="tokenizer", message=f"{type(e).__name__}: {e}"))
         to_api.close(linger=2000)  # deliver the failure before exiting
         raise SystemExit(1)
-    worker = TokenizerWorker(tokenizer, lambda msg: send(to_scheduler, msg), lambda msg: send(to_api, msg))
+    tracer = RequestTracer(config.trace_requests) if config.trace_requests else NULL_TRACER
+    worker = TokenizerWorker(tokenizer, lambda msg: send(to_scheduler, msg), lambda msg: send(to_api, msg), tracer)
     send(to_api, m.WorkerReady(role="tokenizer", pid=os.getpid(), info=tokenizer_info(tokenizer)))
     while parent_alive(parent_pid):
         for msg in recv_ready(sock, timeout_ms=1000):
