@@ -23,3 +23,15 @@ def tiny_chat_llama(tmp_path_factory) -> str:
     save_tiny_model("llama", path, vocab_size=49152, max_position_embeddings=4096)
     load_tokenizer(resolve_model(None)).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def mixed_trace(tiny_llama, tmp_path_factory) -> str:
+    """The path of a trace of `run_mixed_workload` (overlap on, page size 1, 128-token pool)."""
+    from trace_workloads import finish_trace, run_mixed_workload, traced_llm
+
+    path = tmp_path_factory.mktemp("mixed") / "mixed.jsonl"
+    llm = traced_llm(tiny_llama, path, kv_cache_tokens=128, chunked_prefill_size=16)
+    run_mixed_workload(llm)
+    finish_trace(llm, path)
+    return str(path)

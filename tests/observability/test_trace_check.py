@@ -10,7 +10,7 @@ from trace_workloads import finish_trace, run_mixed_workload, traced_llm
 
 from minfer import SamplingParams
 from minfer.cli import main
-from minfer.observability.trace import expand_ranges, slot_ranges
+from minfer.observability.trace import expand_ranges, read_trace, slot_ranges
 from minfer.observability.trace_check import check_events, format_report
 
 
@@ -81,11 +81,8 @@ def test_mixed_run_passes_check(tiny_llama, tmp_path, overlap, page_size, capsys
 
 
 @pytest.fixture(scope="module")
-def good_trace(tiny_llama, tmp_path_factory) -> list[dict]:
-    path = tmp_path_factory.mktemp("good") / "good.jsonl"
-    llm = traced_llm(tiny_llama, path, kv_cache_tokens=128, chunked_prefill_size=16)
-    run_mixed_workload(llm)
-    events = finish_trace(llm, path)
+def good_trace(mixed_trace) -> list[dict]:
+    events = read_trace(mixed_trace)
     assert check_events(events).ok
     return events
 

@@ -8,7 +8,6 @@ import os
 import threading
 
 import pytest
-from trace_workloads import finish_trace, run_mixed_workload, traced_llm
 
 from minfer.cli import main
 from minfer.observability.trace import NULL_TRACER, RequestTracer, expand_ranges, read_trace, slot_ranges
@@ -61,13 +60,9 @@ def test_read_trace_skips_a_torn_last_line(tmp_path):
         read_trace(str(path))
 
 
-@pytest.fixture(scope="module")
-def trace_file(tiny_llama, tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("plot") / "run.jsonl"
-    llm = traced_llm(tiny_llama, path, kv_cache_tokens=128, chunked_prefill_size=16)
-    run_mixed_workload(llm)
-    finish_trace(llm, path)
-    return str(path)
+@pytest.fixture
+def trace_file(mixed_trace) -> str:
+    return mixed_trace
 
 
 def test_show_summary_and_one_request(trace_file, capsys):
