@@ -127,7 +127,7 @@ class Engine:
         # One host-to-device copy for the three per-token vectors.
         per_token = to_device([rows, positions, batch.out_loc], torch.int64, self.device)
         positions_d, out_loc = per_token[1], per_token[2]
-        input_ids = self.page_table.tokens[per_token[0], positions_d].long()
+        input_ids = self.page_table.gather_tokens(per_token[0], positions_d)
         sampled_rows = [i for i, s in enumerate(batch.sample_mask) if s]
         with torch.inference_mode():
             if is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
@@ -153,7 +153,7 @@ class Engine:
             # next decode step's input gather finds it without a trip through the CPU.
             where = to_device([[r.table_idx for r in chosen], [r.device_len for r in chosen]], torch.int64,
                               self.device)
-            self.page_table.tokens[where[0], where[1]] = next_tokens.to(torch.int32)
+            self.page_table.scatter_tokens(where[0], where[1], next_tokens)
         result = ForwardResult(next_tokens, sampled_rows)
         if self.device.type == "cuda":
             result._host = torch.empty(next_tokens.shape, dtype=next_tokens.dtype, pin_memory=True)

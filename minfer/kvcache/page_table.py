@@ -45,14 +45,25 @@ class PageTable:
     def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
         self.tokens[row, start:start + len(token_ids)] = to_device(token_ids, torch.int32, self.device)
 
+    # Tables are addressed through flat indices (row * max_len + position) with index_select /
+    # index_copy_: on CPU, advanced indexing runs a parallel kernel whose thread wake-up costs
+    # milliseconds on a busy machine; on CUDA both are single kernels.
     def write_slots(self, rows: list[int], positions: list[int], slots: list[int]) -> None:
         """Record slots for (row, position) pairs, given as three lists of one length."""
-        packed = torch.tensor([rows, positions, slots], dtype=torch.int64)
-        self.slots_cpu[packed[0], packed[1]] = packed[2].to(torch.int32)
+        flat = [r * self.max_len + p for r, p in zip(rows, positions)]
+        packed = torch.tensor([flat, slots], dtype=torch.int64)
+        self.slots_cpu.view(-1).index_copy_(0, packed[0], packed[1].to(torch.int32))
         if self.slots is self.slots_cpu:
             return
         dev = to_device(packed, torch.int64, self.device)
-        self.slots[dev[0], dev[1]] = dev[2].to(torch.int32)
+        self.slots.view(-1).index_copy_(0, dev[0], dev[1].to(torch.int32))
+
+    def gather_tokens(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token ids at (row, position) pairs (device int64 tensors), as int64."""
+        return self.tokens.view(-1).index_select(0, rows * self.max_len + positions).long()
+
+    def scatter_tokens(self, rows: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.tokens.view(-1).index_copy_(0, rows * self.max_len + positions, token_ids.to(torch.int32))
 
     def row_slots(self, row: int, length: int) -> torch.Tensor:
         return self.slots_cpu[row, :length]

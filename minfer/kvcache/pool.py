@@ -34,5 +34,5 @@ class KVPool:
 
             store_kv(self.k[layer], self.v[layer], k, v, out_loc)
             return
-        self.k[layer][out_loc] = k
-        self.v[layer][out_loc] = v
+        self.k[layer].index_copy_(0, out_loc, k)
+        self.v[layer].index_copy_(0, out_loc, v)
