@@ -7,9 +7,9 @@ measured at `token_sampled`, when the scheduler reads the token on the CPU.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import dataclass, field
-
 
 
 @dataclass
@@ -54,7 +54,7 @@ class RequestTimeline:
     def gaps(self) -> list[float]:
         """Inter-token gaps: time between consecutive tokens."""
         t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in itertools.pairwise(t)]
 
 
 @dataclass

@@ -575,8 +575,7 @@ def format_report(report: TraceReport, max_errors: int = 3) -> str:
     for r in report.failed:
         lines.append(f"uid {r.uid}: " + "; ".join(r.errors[:max_errors])
                      + (f"; ... {len(r.errors) - max_errors} more" if len(r.errors) > max_errors else ""))
-    for e in report.errors[:20]:
-        lines.append(e)
+    lines += report.errors[:20]
     n_failed = len(report.failed)
     verdict = "PASS" if report.ok else "FAIL"
     lines.append(f"{verdict}: {len(report.requests) - n_failed}/{len(report.requests)} requests pass, "

@@ -47,7 +47,7 @@ def server(tiny_chat_llama, tmp_path_factory):
 
 
 def test_metrics_after_requests(server):
-    srv, trace = server
+    srv, _ = server
     before = scrape(srv.url)
     for name in GAUGES + COUNTERS:
         assert value(before, name) == 0, name
