@@ -42,12 +42,12 @@ def parity(rows: list[str]) -> None:
                             f"sequences equal to torch")
 
 
-def bench(model: str, rows: list[str], extra: list[str]) -> None:
-    cmd = [sys.executable, "-m", "minfer", "bench", "offline", model, *extra]
+def bench(model: str, rows: list[str], extra: list[str], kind: str = "offline") -> None:
+    cmd = [sys.executable, "-m", "minfer", "bench", kind, model, *extra]
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
     print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(("throughput", "prefill", "floor"))]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(("throughput", "prefill", "floor", "wall"))]
     rows.append(f"bench {model} {' '.join(extra)} ({time.time() - start:.0f} s incl. load): " + " | ".join(lines))
 
 
@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--bench", default="qwen3-0.6b,llama-3.1-8b")
     ap.add_argument("--bench-args", default="")
     ap.add_argument("--profile", default="", help="model to profile (e.g. qwen3-0.6b)")
+    ap.add_argument("--shared-prefix", default="", help="model for the shared-prefix bench, radix vs naive")
     args = ap.parse_args()
     rows: list[str] = []
     if not args.skip_parity:
@@ -101,6 +102,9 @@ def main() -> None:
         profile(args.profile, rows)
     for model in filter(None, args.bench.split(",")):
         bench(model, rows, args.bench_args.split())
+    if args.shared_prefix:
+        for cache in ("radix", "naive"):
+            bench(args.shared_prefix, rows, ["--cache", cache], kind="shared-prefix")
     print("\n==== summary ====")
     print("\n".join(rows))
 
