@@ -31,6 +31,10 @@ RENDEZVOUS_TIMEOUT_S = 600
 CONTROL_TIMEOUT = datetime.timedelta(days=3650)
 
 
+# torch 2.13 renamed all_gather_into_tensor (same arguments); the GPU hosts run 2.11.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed, so the whole group stops."""
 
@@ -52,9 +56,11 @@ class TPGroup:
         """Concatenate each rank's shard along the last dimension, in rank order."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        # One flat gather (a single NCCL kernel, also under CUDA graph capture), then the rank
+        # dimension moves next to the last one: [size, ..., n] -> [..., size * n].
+        gathered = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        _all_gather_flat(gathered, x.contiguous(), group=self.group)
+        return gathered.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. the KV pool size each rank can afford)."""
