@@ -22,6 +22,34 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+# Most top logprobs one token may ask for (OpenAI's chat limit; each costs a top-k on the device).
+MAX_LOGPROBS = 20
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of consecutive tokens, as parallel lists (one entry per token).
+
+    `logprobs[i]` is the log-probability of `token_ids[i]` (None for a prompt's first token,
+    which nothing predicts); `top_ids[i]` / `top_logprobs[i]` are the k most likely tokens at
+    that position, most likely first. The tokenizer worker fills the token strings.
+    """
+
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[float | None] = msgspec.field(default_factory=list)
+    top_ids: list[list[int]] = msgspec.field(default_factory=list)
+    top_logprobs: list[list[float]] = msgspec.field(default_factory=list)
+    tokens: list[str] = msgspec.field(default_factory=list)
+    top_tokens: list[list[str]] = msgspec.field(default_factory=list)
+
+    def extend(self, other: TokenLogprobs) -> None:
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+        self.top_ids += other.top_ids
+        self.top_logprobs += other.top_logprobs
+        self.tokens += other.tokens
+        self.top_tokens += other.top_tokens
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick tokens and when to stop. A msgspec struct so it can cross process boundaries."""
 
@@ -35,9 +63,42 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop: list[str] = msgspec.field(default_factory=list)  # matched on text by the detokenizer
     ignore_eos: bool = False
     seed: int | None = None
+    # Penalties (OpenAI's and vLLM's definitions, see sampler.apply_penalties) and additive biases.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    # Logprobs of the raw distribution (log-softmax of the logits before temperature, penalties
+    # and biases): None for none, k >= 0 for the chosen token's and the k most likely ones.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field outside its range."""
+        self._validate_core()
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
+        if not 0 < self.repetition_penalty <= 100:
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}", "repetition_penalty")
+        for token, bias in self.logit_bias.items():
+            if not -100 <= bias <= 100:
+                raise InvalidRequestError(f"logit_bias of token {token} must be in [-100, 100], got {bias}",
+                                          "logit_bias")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the logits need adjusting before sampling (penalties or biases)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
+
+    def _validate_core(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if self.temperature < 0:
@@ -79,6 +140,9 @@ class Req:
     arrival_time: float = 0.0
     # Slots of the cached prefix this request borrowed from the prefix cache (its handle).
     cache_handle: object | None = None
+    # Prompt logprobs by position (entry p scores token p + 1), filled chunk by chunk during
+    # prefill when params.prompt_logprobs is set, sent with the first token.
+    prompt_logprobs: dict[int, tuple[float, list[int], list[float]]] | None = None
 
     def __post_init__(self) -> None:
         if self.device_len == 0:
@@ -137,3 +201,5 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
+    logprobs: TokenLogprobs | None = None  # of token_ids, when params.logprobs was set
+    prompt_logprobs: TokenLogprobs | None = None  # of prompt_token_ids, when params.prompt_logprobs was set

@@ -7,7 +7,7 @@ import weakref
 from typing import Sequence
 
 from minfer.config import EngineConfig, config_from_kwargs
-from minfer.core import InvalidRequestError, RequestOutput, SamplingParams
+from minfer.core import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
 from minfer.distributed.ranks import run_worker_node, start_rank_zero
 from minfer.engine.engine import Engine
 from minfer.scheduler.scheduler import Scheduler
@@ -102,8 +102,14 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(reqs), desc="generating", unit="req")
+        logprobs = {r.uid: TokenLogprobs() for r in reqs if r.params.logprobs is not None}
+        prompt_logprobs = {}
         while pending:
             for out in self.tp_leader.step(sched):
+                if out.logprobs is not None and out.uid in logprobs:
+                    logprobs[out.uid].extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.uid] = out.prompt_logprobs
                 if out.finish_reason and out.uid in pending:
                     pending.discard(out.uid)
                     if bar:
@@ -111,4 +117,4 @@ class LLM:
         if bar:
             bar.close()
         return [RequestOutput(r.uid, r.token_ids[:r.prompt_len], r.output_ids, self.decode(r.output_ids),
-                              r.finish_reason) for r in reqs]
+                              r.finish_reason, logprobs.get(r.uid), prompt_logprobs.get(r.uid)) for r in reqs]

@@ -5,7 +5,7 @@ sampler; turns a scheduled batch into next tokens. It decides nothing about whic
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,13 +14,21 @@ from minfer.config import DEFAULT_MAX_RUNNING_REQUESTS, EngineConfig
 from minfer.core import Batch, Phase
 from minfer.device import to_device
 from minfer.distributed.parallel import SINGLE, TPGroup
+from minfer.engine.logprobs import LogprobTensors, reduce_logprobs, rows_of
 from minfer.engine.memory import MemoryBudget, plan_memory
+from minfer.engine.penalties import apply_adjustments, build_adjustments
 from minfer.engine.sampler import SamplingTensors, sample
 from minfer.kvcache.page_table import PageTable
 from minfer.kvcache.pool import KVPool
 from minfer.models.llama import head_dim_of
-from minfer.models.loader import (build_model, eos_token_ids, load_hf_config, load_tokenizer,
-                                  resolve_dtype, resolve_model)
+from minfer.models.loader import (
+    build_model,
+    eos_token_ids,
+    load_hf_config,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +55,68 @@ def make_attention_backend(name: str, device: torch.device):
 
 @dataclass
 class ForwardResult:
-    """Next tokens of the requests that sampled this pass (indices into batch.reqs).
+    """Next tokens of the requests that sampled this pass (indices into batch.reqs), and the
+    logprobs asked for (reduced on the device: a few numbers per token).
 
-    The tokens are copied to the CPU asynchronously: `tokens()` waits for that copy only, so
-    the scheduler can prepare the next batch while the device still computes this one.
+    Everything is copied to the CPU asynchronously: `tokens()` and `logprobs()` wait for that
+    copy only, so the scheduler can prepare the next batch while the device still computes this one.
     """
 
     next_tokens: torch.Tensor  # on the device
     sampled_rows: list[int]
-    _host: torch.Tensor | None = None
-    _ready: object | None = None  # a CUDA event recorded after the copy
+    # Logprobs of the sampled tokens of batch.reqs[i] for i in logprob_rows.
+    sampled_logprobs: LogprobTensors | None = None
+    logprob_rows: list[int] = field(default_factory=list)
+    # Prompt logprobs: per span (req index, first position, count), rows in span order.
+    prompt_logprobs: LogprobTensors | None = None
+    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    _host: list[torch.Tensor] | None = None
+    _ready: object | None = None  # a CUDA event recorded after the copies
 
-    def tokens(self) -> list[int]:
+    def _device_tensors(self) -> list[torch.Tensor]:
+        out = [self.next_tokens]
+        for part in (self.sampled_logprobs, self.prompt_logprobs):
+            if part is not None:
+                out += part.tensors()
+        return out
+
+    def start_copy(self) -> None:
+        """Queue the copies to pinned host memory (CUDA only; on CPU the tensors are the result)."""
+        if self.next_tokens.device.type != "cuda":
+            return
+        self._host = []
+        for t in self._device_tensors():
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            self._host.append(host)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def _read(self) -> list[torch.Tensor]:
         if self._ready is not None:
             self._ready.synchronize()
-            return self._host.tolist()
-        return self.next_tokens.tolist()
+            return self._host
+        return self._device_tensors()
+
+    def tokens(self) -> list[int]:
+        return self._read()[0].tolist()
+
+    def logprobs(self) -> tuple[dict[int, tuple[float, list[int], list[float]]],
+                                list[tuple[int, int, list[tuple[float, list[int], list[float]]]]]]:
+        """(req index -> (logprob, top ids, top logprobs) of its sampled token,
+        [(req index, first position, per-position rows)] of prompt logprobs)."""
+        host = self._read()[1:]
+        sampled, prompt = {}, []
+        if self.sampled_logprobs is not None:
+            sampled = dict(zip(self.logprob_rows, rows_of(LogprobTensors(*host[:3]))))
+            host = host[3:]
+        if self.prompt_logprobs is not None:
+            rows = rows_of(LogprobTensors(*host[:3]))
+            start = 0
+            for index, first, count in self.prompt_spans:
+                prompt.append((index, first, rows[start:start + count]))
+                start += count
+        return sampled, prompt
 
 
 class Engine:
@@ -129,6 +183,8 @@ class Engine:
         positions_d, out_loc = per_token[1], per_token[2]
         input_ids = self.page_table.gather_tokens(per_token[0], positions_d)
         sampled_rows = [i for i, s in enumerate(batch.sample_mask) if s]
+        prompt_spans = [] if is_decode else self._prompt_logprob_spans(batch)
+        prompt_logprobs = None
         with torch.inference_mode():
             if is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
                 logits = self.graphs.replay(input_ids, positions_d, out_loc, table_idx, prefix_lens)
@@ -137,8 +193,13 @@ class Engine:
                                       is_decode, self.device)
                 ctx = ForwardContext(meta, self.kv_pool, self.backend, out_loc)
                 hidden = self.model(input_ids, positions_d, ctx)
+                if prompt_spans:
+                    prompt_logprobs = self._prompt_logprobs(batch, hidden, prompt_spans)
                 if not sampled_rows:
-                    return ForwardResult(torch.empty(0, dtype=torch.int64, device=self.device), [])
+                    result = ForwardResult(torch.empty(0, dtype=torch.int64, device=self.device), [],
+                                           prompt_logprobs=prompt_logprobs, prompt_spans=prompt_spans)
+                    result.start_copy()
+                    return result
                 if not is_decode:
                     ends = meta.cu_extend_lens[1:].long() - 1
                     if len(sampled_rows) < len(reqs):
@@ -146,21 +207,61 @@ class Engine:
                     hidden = hidden[ends]
                 logits = self.model.compute_logits(hidden)
             chosen = [reqs[i] for i in sampled_rows]
+            # Logprobs are of the raw logits: read them before any adjustment (see logprobs.py).
+            logprob_rows = [j for j, r in enumerate(chosen) if r.params.logprobs is not None]
+            raw_logits = logits
+            if logprob_rows:
+                raw_logits = logits[to_device(logprob_rows, torch.int64, self.device)]
+            adjustments = build_adjustments(chosen, self.page_table, self.vocab_size, self.device)
+            if adjustments is not None:
+                logits = apply_adjustments(logits, adjustments)  # raw_logits is a copy when needed
             st = SamplingTensors.build([r.params for r in chosen], [r.seed for r in chosen],
                                        [r.device_len for r in chosen], self.vocab_size, self.device)
             next_tokens = sample(logits, st)
+            sampled_logprobs = None
+            if logprob_rows:
+                targets = next_tokens[to_device(logprob_rows, torch.int64, self.device)]
+                k = max(chosen[j].params.logprobs for j in logprob_rows)
+                sampled_logprobs = reduce_logprobs(raw_logits, targets, k)
             # The sampled token becomes known on the device at position device_len, where the
             # next decode step's input gather finds it without a trip through the CPU.
             where = to_device([[r.table_idx for r in chosen], [r.device_len for r in chosen]], torch.int64,
                               self.device)
             self.page_table.scatter_tokens(where[0], where[1], next_tokens)
-        result = ForwardResult(next_tokens, sampled_rows)
-        if self.device.type == "cuda":
-            result._host = torch.empty(next_tokens.shape, dtype=next_tokens.dtype, pin_memory=True)
-            result._host.copy_(next_tokens, non_blocking=True)
-            result._ready = torch.cuda.Event()
-            result._ready.record()
+        result = ForwardResult(next_tokens, sampled_rows, sampled_logprobs,
+                               [sampled_rows[j] for j in logprob_rows], prompt_logprobs, prompt_spans)
+        result.start_copy()
         return result
+
+    @staticmethod
+    def _prompt_logprob_spans(batch: Batch) -> list[tuple[int, int, int]]:
+        """(req index, first position, count) of the prompt positions this pass scores: those of
+        the chunk whose next token is a prompt token (position p scores token p + 1)."""
+        spans = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            if req.params.prompt_logprobs is None or req.output_len:
+                continue
+            end = min(req.cached_len + n, req.prompt_len - 1)
+            if end > req.cached_len:
+                spans.append((i, req.cached_len, end - req.cached_len))
+        return spans
+
+    def _prompt_logprobs(self, batch: Batch, hidden: torch.Tensor,
+                         spans: list[tuple[int, int, int]]) -> LogprobTensors:
+        """Logits of the spans' hidden rows only, reduced to logprobs on the device."""
+        offsets = [0]
+        for n in batch.extend_lens:
+            offsets.append(offsets[-1] + n)
+        rows, targets = [], []
+        for i, first, count in spans:
+            req = batch.reqs[i]
+            start = offsets[i] + first - req.cached_len
+            rows.extend(range(start, start + count))
+            targets.extend(req.token_ids[first + 1:first + 1 + count])
+        index = to_device([rows, targets], torch.int64, self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index[0]))
+        k = max(batch.reqs[i].params.prompt_logprobs for i, _, _ in spans)
+        return reduce_logprobs(logits, index[1], k)
 
 
 def _device_memory_in_use(device: torch.device) -> int:

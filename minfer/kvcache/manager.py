@@ -60,8 +60,12 @@ class KVManager:
         req.table_idx = self.page_table.take_row()
         req.device_len = len(req.token_ids)  # a resumed request continues from every known token
         self.page_table.write_tokens(req.table_idx, 0, req.token_ids[:req.device_len])
-        # Leave at least one token to compute: its logits give the first sampled token.
-        match = self.prefix_cache.match(req.token_ids[:req.device_len - 1])
+        # Leave at least one token to compute: its logits give the first sampled token. A request
+        # that wants its prompt's logprobs computes the whole prompt (a cached prefix has no logits).
+        known = req.device_len - 1
+        if req.params.prompt_logprobs is not None and not req.output_len:
+            known = 0
+        match = self.prefix_cache.match(req.token_ids[:known])
         req.cache_handle = match.handle
         req.cached_len = len(match.slots)
         if match.slots:

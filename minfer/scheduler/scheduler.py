@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from minfer.config import EngineConfig
-from minfer.core import Batch, InvalidRequestError, Phase, Req, SamplingParams
+from minfer.core import Batch, InvalidRequestError, Phase, Req, SamplingParams, TokenLogprobs
 from minfer.engine.engine import Engine, ForwardResult
 from minfer.kvcache.manager import KVManager
 from minfer.observability.trace import NULL_TRACER, RequestTracer, slot_ranges
@@ -39,6 +39,8 @@ class StepOutput:
     token_id: int | None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | None = None  # the stop token id that ended it, when one did
+    logprobs: TokenLogprobs | None = None  # of token_id, when the request asked
+    prompt_logprobs: TokenLogprobs | None = None  # with the first token, when the request asked
 
 
 @dataclass
@@ -97,7 +99,8 @@ class Scheduler:
             raise InvalidRequestError(
                 f"the request needs {len(token_ids)} prompt + {params.max_tokens} max_tokens KV slots, more than "
                 f"the whole KV pool holds ({pool_tokens} tokens)", "max_tokens")
-        bad = [t for t in token_ids if not 0 <= t < self.engine.vocab_size]
+        bad = [t for t in [*token_ids, *params.logit_bias, *params.stop_token_ids]
+               if not 0 <= t < self.engine.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})",
                                       "prompt")
@@ -170,7 +173,10 @@ class Scheduler:
                 break
             req = self.waiting[0]
             head = tuple(req.token_ids[:min(SHARED_HEAD_TOKENS, req.device_len - 1)])
-            if len(head) == SHARED_HEAD_TOKENS and head in admitted_heads and not req.output_len:
+            # A short prompt shares when it is the same prompt (the n copies of one request).
+            shareable = len(head) == SHARED_HEAD_TOKENS or (
+                len(head) == req.device_len - 1 and len(head) >= max(1, self.config.page_size))
+            if shareable and head in admitted_heads and not req.output_len:
                 deferred.append(self.waiting.popleft())
                 continue
             evictable_before = self.kv.prefix_cache.evictable_pages
@@ -184,7 +190,7 @@ class Scheduler:
                 req.cached_len = 0
                 break
             self.waiting.popleft()
-            if len(head) == SHARED_HEAD_TOKENS and req.cached_len < SHARED_HEAD_TOKENS:
+            if shareable and req.cached_len < len(head):
                 admitted_heads.add(head)
             if self.tracer.enabled:
                 if req.output_len:
@@ -307,6 +313,12 @@ class Scheduler:
         """Tokens of a finished pass reach the CPU: append them, decide which requests end."""
         outputs = []
         tokens = result.tokens()
+        sampled_logprobs, prompt_logprobs = result.logprobs()
+        for i, first, rows in prompt_logprobs:
+            req = batch.reqs[i]
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = {}
+            req.prompt_logprobs.update(zip(range(first, first + len(rows)), rows))
         if self.tracer.enabled:
             for req in batch.reqs:
                 if not req.finished:
@@ -322,7 +334,14 @@ class Scheduler:
             reason, stop_reason = self.finish_reason(req, token)
             if reason:
                 self.finish(req, reason)
-            outputs.append(StepOutput(req.uid, token, reason, stop_reason))
+            out = StepOutput(req.uid, token, reason, stop_reason)
+            if i in sampled_logprobs:
+                logprob, top_ids, top_values = sampled_logprobs[i]
+                k = req.params.logprobs
+                out.logprobs = TokenLogprobs([token], [logprob], [top_ids[:k]], [top_values[:k]])
+            if req.output_len == 1 and req.params.prompt_logprobs is not None:
+                out.prompt_logprobs = prompt_logprobs_of(req)
+            outputs.append(out)
         return outputs
 
     def finish(self, req: Req, reason: str) -> None:
@@ -359,3 +378,17 @@ class Scheduler:
         if req.output_len >= p.max_tokens or req.device_len >= self.engine.max_model_len:
             return "length", None
         return None, None
+
+
+def prompt_logprobs_of(req: Req) -> TokenLogprobs:
+    """The prompt's logprobs, gathered chunk by chunk during prefill; nothing scores the first token."""
+    k = req.params.prompt_logprobs
+    scored = req.prompt_logprobs or {}
+    out = TokenLogprobs(list(req.token_ids[:req.prompt_len]), [None], [[]], [[]])
+    for position in range(req.prompt_len - 1):
+        logprob, top_ids, top_values = scored[position]
+        out.logprobs.append(logprob)
+        out.top_ids.append(top_ids[:k])
+        out.top_logprobs.append(top_values[:k])
+    req.prompt_logprobs = None
+    return out

@@ -1,0 +1,50 @@
+"""Logprobs reduced on the device: full vocabulary rows never leave it.
+
+The distribution reported is the model's raw one: log-softmax of the logits before temperature,
+penalties, logit_bias and the top-k / top-p / min-p filters (vLLM's default "raw_logprobs"). A
+token's logprob then does not depend on how it was sampled, which is what scoring (echo
+logprobs for loglikelihood evaluation) needs. Each row reduces to the target token's logprob
+and the k most likely tokens, most likely first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Rows reduced at once: bounds the float32 [rows, vocab] temporaries of a long prompt.
+ROWS_PER_CHUNK = 256
+
+
+@dataclass
+class LogprobTensors:
+    """Reduced logprobs of R rows (device or host tensors)."""
+
+    target: torch.Tensor  # [R] float32: logprob of the row's target token
+    top_values: torch.Tensor  # [R, k] float32, descending
+    top_ids: torch.Tensor  # [R, k] int64
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.target, self.top_values, self.top_ids]
+
+
+def reduce_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> LogprobTensors:
+    """logits [R, V], targets [R] int64 -> the targets' logprobs and the top k of each row."""
+    targets_out, values_out, ids_out = [], [], []
+    for start in range(0, logits.shape[0], ROWS_PER_CHUNK):
+        logprobs = torch.log_softmax(logits[start:start + ROWS_PER_CHUNK].float(), dim=-1)
+        targets_out.append(logprobs.gather(1, targets[start:start + ROWS_PER_CHUNK, None]).squeeze(1))
+        values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        values_out.append(values)
+        ids_out.append(ids)
+    if not targets_out:
+        empty = logits.new_empty((0,))
+        return LogprobTensors(empty, logits.new_empty((0, k)), torch.empty((0, k), dtype=torch.int64,
+                                                                             device=logits.device))
+    return LogprobTensors(torch.cat(targets_out), torch.cat(values_out), torch.cat(ids_out))
+
+
+def rows_of(result: LogprobTensors) -> list[tuple[float, list[int], list[float]]]:
+    """Host tensors -> one (logprob, top ids, top logprobs) per row."""
+    return list(zip(result.target.tolist(), result.top_ids.tolist(), result.top_values.tolist()))

@@ -1,0 +1,107 @@
+"""Logit adjustments before sampling, batched on the device: repetition, frequency and presence
+penalties, logit_bias, and min_tokens (no EOS or stop token before the minimum length).
+
+Definitions (those of OpenAI and vLLM):
+  repetition_penalty r   tokens seen in the prompt or the output: logit / r if positive, else logit * r
+  frequency_penalty f    logit -= f * (times the token occurs in the output so far)
+  presence_penalty p     logit -= p * (1 if it occurs in the output so far)
+  logit_bias b[token]    logit += b
+  min_tokens             logit = -inf for EOS and stop_token_ids while the output is shorter
+
+The token history comes from the device's token table (prompt and every sampled token, the
+newest one included even when it has not reached the CPU yet in overlap mode), so building the
+counts costs one gather and one scatter-add over the penalised rows, never a host copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minfer.core import Req
+from minfer.device import to_device
+from minfer.kvcache.page_table import PageTable
+
+
+@dataclass
+class LogitAdjustments:
+    """The adjustments of one batch's sampled rows; each part is None when no row needs it."""
+
+    # History penalties: rows (into the sampled logits) and their per-row parameters.
+    penalty_rows: torch.Tensor | None = None  # [P] int64
+    output_counts: torch.Tensor | None = None  # [P, V] float32: occurrences in the output
+    seen: torch.Tensor | None = None  # [P, V] bool: occurs in the prompt or the output
+    repetition: torch.Tensor | None = None  # [P, 1] float32
+    frequency: torch.Tensor | None = None  # [P, 1] float32
+    presence: torch.Tensor | None = None  # [P, 1] float32
+    # (row, token, value) triples added to the logits, and (row, token) pairs banned.
+    bias_index: torch.Tensor | None = None  # [2, N] int64
+    bias_values: torch.Tensor | None = None  # [N] float32
+    ban_index: torch.Tensor | None = None  # [2, M] int64
+
+
+def build_adjustments(reqs: list[Req], page_table: PageTable, vocab_size: int,
+                      device: torch.device) -> LogitAdjustments | None:
+    """The adjustments for sampling one token of each request (rows in `reqs` order), or None."""
+    penalised = [i for i, r in enumerate(reqs) if r.params.frequency_penalty or r.params.presence_penalty
+                 or r.params.repetition_penalty != 1]
+    bias_rows, bias_tokens, bias_values = [], [], []
+    ban_rows, ban_tokens = [], []
+    for i, r in enumerate(reqs):
+        for token, value in r.params.logit_bias.items():
+            bias_rows.append(i)
+            bias_tokens.append(token)
+            bias_values.append(value)
+        # The token sampled now lands at device_len: output index device_len - prompt_len.
+        if r.device_len - r.prompt_len < r.params.min_tokens:
+            banned = set(r.params.stop_token_ids)
+            if not r.params.ignore_eos:
+                banned |= r.eos_token_ids
+            for token in banned:
+                ban_rows.append(i)
+                ban_tokens.append(token)
+    if not (penalised or bias_rows or ban_rows):
+        return None
+    adj = LogitAdjustments()
+    if penalised:
+        chosen = [reqs[i] for i in penalised]
+        ints = to_device([penalised, [r.table_idx for r in chosen], [r.device_len for r in chosen],
+                          [r.prompt_len for r in chosen]], torch.int64, device)
+        rows, table_rows, lengths, prompt_lens = ints[0], ints[1], ints[2], ints[3]
+        longest = max(r.device_len for r in chosen)
+        history = page_table.tokens.index_select(0, table_rows)[:, :longest].long()  # [P, L]
+        positions = torch.arange(longest, device=device)[None, :]
+        known = positions < lengths[:, None]
+        in_output = known & (positions >= prompt_lens[:, None])
+        counts = torch.zeros(len(chosen), vocab_size, dtype=torch.float32, device=device)
+        counts.scatter_add_(1, history, in_output.float())
+        seen = torch.zeros(len(chosen), vocab_size, dtype=torch.float32, device=device)
+        seen.scatter_add_(1, history, known.float())
+        floats = to_device([[r.params.repetition_penalty for r in chosen], [r.params.frequency_penalty for r in chosen],
+                            [r.params.presence_penalty for r in chosen]], torch.float32, device)
+        adj.penalty_rows, adj.output_counts, adj.seen = rows, counts, seen > 0
+        adj.repetition, adj.frequency, adj.presence = floats[0, :, None], floats[1, :, None], floats[2, :, None]
+    if bias_rows:
+        adj.bias_index = to_device([bias_rows, bias_tokens], torch.int64, device)
+        adj.bias_values = to_device(bias_values, torch.float32, device)
+    if ban_rows:
+        adj.ban_index = to_device([ban_rows, ban_tokens], torch.int64, device)
+    return adj
+
+
+def apply_adjustments(logits: torch.Tensor, adj: LogitAdjustments) -> torch.Tensor:
+    """Adjust logits [B, V] float32 in place (and return them)."""
+    if adj.penalty_rows is not None:
+        vocab = adj.output_counts.shape[1]
+        sub = logits.index_select(0, adj.penalty_rows)[:, :vocab]
+        repeated = torch.where(sub > 0, sub / adj.repetition, sub * adj.repetition)
+        sub = torch.where(adj.seen, repeated, sub)
+        sub = sub - adj.frequency * adj.output_counts - adj.presence * (adj.output_counts > 0).float()
+        logits[:, :vocab].index_copy_(0, adj.penalty_rows, sub)
+    if adj.bias_index is not None:
+        logits.index_put_((adj.bias_index[0], adj.bias_index[1]), adj.bias_values, accumulate=True)
+    if adj.ban_index is not None:
+        logits.index_put_((adj.ban_index[0], adj.ban_index[1]),
+                          torch.tensor(float("-inf"), device=logits.device))
+    return logits
