@@ -140,6 +140,7 @@ class Req:
     arrival_time: float = 0.0
     # Slots of the cached prefix this request borrowed from the prefix cache (its handle).
     cache_handle: object | None = None
+    preempted: bool = False  # sent back to the queue; its next admission is a resume
     # Prompt logprobs by position (entry p scores token p + 1), filled chunk by chunk during
     # prefill when params.prompt_logprobs is set, sent with the first token.
     prompt_logprobs: dict[int, tuple[float, list[int], list[float]]] | None = None

@@ -101,24 +101,27 @@ class KVManager:
         self.page_table.write_slots(rows, positions, slots)
         return slots
 
-    def cache_prompt(self, req: Req) -> None:
+    def cache_prompt(self, req: Req) -> list[tuple[int, int, int]]:
         """Share a request's computed prompt while it keeps running: later requests with the
         same prefix hit it now, not only after this one finishes.
 
         Called when the pass computing the prompt's K/V is launched; any later pass that reads
         those slots runs after it on the same stream. If another request cached the same
         tokens first, the tree keeps its pages and frees ours, so the row is repointed.
+        Returns (position, freed slot, tree slot) for each repointed position.
         """
         ps = self.page_size
         aligned = (req.cached_len // ps) * ps
         if aligned == 0:
-            return
+            return []
         slots = self.page_table.row_slots(req.table_idx, aligned).tolist()
         match = self.prefix_cache.insert_and_lock(req.token_ids[:aligned], slots, req.cache_handle)
         req.cache_handle = match.handle
-        if match.slots != slots:
-            changed = [i for i, (a, b) in enumerate(zip(slots, match.slots)) if a != b]
-            self.page_table.write_slots([req.table_idx] * len(changed), changed, [match.slots[i] for i in changed])
+        if match.slots == slots:
+            return []
+        changed = [i for i, (a, b) in enumerate(zip(slots, match.slots)) if a != b]
+        self.page_table.write_slots([req.table_idx] * len(changed), changed, [match.slots[i] for i in changed])
+        return [(i, slots[i], match.slots[i]) for i in changed]
 
     def release(self, req: Req) -> list[int]:
         """A request leaves (finished, aborted or preempted): the positions whose K/V and token

@@ -29,6 +29,9 @@ SCHEDULER_EVENTS = frozenset({
     "queued", "prefix_matched", "resumed", "batch_scheduled", "kv_slots_allocated", "request_state_updated",
     "forward_done", "token_sampled", "preempted", "kv_released", "finished", "aborted"})
 FRONTEND_EVENTS = frozenset({"received", "tokenized", "detokenized"})
+# Informational: `kv_pool` (uid -1) gives the pool's geometry; `prompt_cached` lists positions
+# repointed to the cache's slots, which the replay already infers from `kv_released`.
+INFO_EVENTS = frozenset({"kv_pool", "prompt_cached"})
 LENGTHS = ("cached_len", "device_len", "extend_len")
 
 
@@ -506,6 +509,8 @@ def check_events(events: list[dict]) -> TraceReport:
     errors: list[str] = []
     for index, ev in enumerate(events, 1):
         name = ev.get("event")
+        if name in INFO_EVENTS:
+            continue
         if name in FRONTEND_EVENTS:
             frontend.append((index, ev))
         elif name in SCHEDULER_EVENTS:

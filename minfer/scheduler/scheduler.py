@@ -76,6 +76,9 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._seed_source = random.Random(self.config.seed)
         self._uids = itertools.count()
+        if self.tracer.enabled:  # uid -1: the run itself, so readers know the pool's geometry
+            self.tracer.emit("kv_pool", -1, num_slots=self.kv.num_pages * self.kv.page_size,
+                             page_size=self.kv.page_size)
 
     # -- intake --------------------------------------------------------------------------------
     def new_uid(self) -> int:
@@ -99,11 +102,12 @@ class Scheduler:
             raise InvalidRequestError(
                 f"the request needs {len(token_ids)} prompt + {params.max_tokens} max_tokens KV slots, more than "
                 f"the whole KV pool holds ({pool_tokens} tokens)", "max_tokens")
-        bad = [t for t in [*token_ids, *params.logit_bias, *params.stop_token_ids]
-               if not 0 <= t < self.engine.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})",
-                                      "prompt")
+        for field_name, ids in (("prompt", token_ids), ("logit_bias", params.logit_bias),
+                                ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"token id {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})", field_name)
         uid = self.new_uid() if uid is None else uid
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(32)
         req = Req(uid=uid, token_ids=list(token_ids), prompt_len=len(token_ids), params=params,
@@ -180,6 +184,8 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())
                 continue
             evictable_before = self.kv.prefix_cache.evictable_pages
+            cache_counters = self.kv.prefix_cache.counters
+            counted = (cache_counters.queried_tokens, cache_counters.hit_tokens)
             self.kv.admit(req)
             # The matched prefix is now locked: it no longer counts as room we could evict.
             free_pages -= evictable_before - self.kv.prefix_cache.evictable_pages
@@ -188,12 +194,15 @@ class Scheduler:
             if need > free_pages:
                 self.kv.release(req)  # give back the row and the prefix lock; try again later
                 req.cached_len = 0
+                # Count the prefix query once, when the request is really admitted.
+                cache_counters.queried_tokens, cache_counters.hit_tokens = counted
                 break
             self.waiting.popleft()
+            req.preempted = False
             if shareable and req.cached_len < len(head):
                 admitted_heads.add(head)
             if self.tracer.enabled:
-                if req.output_len:
+                if req.preempted:
                     self.tracer.emit("resumed", req.uid, **req.state())
                 self.tracer.emit("prefix_matched", req.uid, hit_tokens=req.cached_len,
                                  queried_tokens=req.device_len - 1)
@@ -236,6 +245,7 @@ class Scheduler:
             self.tracer.emit("preempted", req.uid, **req.state())
         self._release(req)
         req.cached_len = 0
+        req.preempted = True
         self.waiting.appendleft(req)
         self.counters.preemptions += 1
         log.debug("preempted request %d at %d tokens", req.uid, req.device_len)
@@ -295,7 +305,10 @@ class Scheduler:
                 if batch.phase == Phase.PREFILL:
                     self.prefilling.remove(req)
                     self.running.append(req)
-                    self.kv.cache_prompt(req)
+                    moved = self.kv.cache_prompt(req)
+                    if self.tracer.enabled:
+                        self.tracer.emit("prompt_cached", req.uid, cached_len=req.cached_len,
+                                         repointed=[list(m) for m in moved])
             if before is not None:
                 self.tracer.emit("request_state_updated", req.uid, before=before, after=req.state())
 
