@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from minfer.core import SamplingParams
+from minfer.core import SamplingParams, TokenLogprobs
 
 
 class Message(msgspec.Struct, tag=True, kw_only=True):
@@ -37,6 +37,7 @@ class GenerateRequest(Message):
     messages: list[dict[str, Any]] | None = None  # chat: rendered with the model's chat template
     add_special_tokens: bool = True  # for `prompt` only; chat prompts carry their own
     max_tokens_auto: bool = False  # max_tokens not given: fill the context (the scheduler knows it)
+    echo: bool = False  # send the prompt's text with the first reply
 
 
 class AbortRequest(Message):
@@ -80,6 +81,9 @@ class TokenOutputs(Message):
     stop_reasons: list[int | None]
     # uid -> (queue_s, prefill_s) of the requests whose first token is in this message.
     first_token_timings: dict[int, tuple[float, float]] = msgspec.field(default_factory=dict)
+    # uid -> logprobs of its token in this message / of its prompt (with the first token only).
+    logprobs: dict[int, TokenLogprobs] = msgspec.field(default_factory=dict)
+    prompt_logprobs: dict[int, TokenLogprobs] = msgspec.field(default_factory=dict)
 
 
 class RequestFailed(Message):
@@ -124,6 +128,9 @@ class Reply(msgspec.Struct, array_like=True):
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     queue_s: float | None = None  # with the first token: scheduler arrival -> admission
     prefill_s: float | None = None  # with the first token: admission -> first token
+    logprobs: TokenLogprobs | None = None  # of token_ids, with token strings
+    prompt_logprobs: TokenLogprobs | None = None  # with the first reply, when asked for
+    prompt_text: str | None = None  # with the first reply, when echo was asked for
 
 
 class ReplyBatch(Message):

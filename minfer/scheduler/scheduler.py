@@ -167,20 +167,22 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
             budget -= n
-        # Requests admitted in this batch are not in the prefix cache yet; a waiting request that
-        # starts like one of them waits a step and then reuses its prefix instead of recomputing it.
+        # Requests admitted in this batch (or still prefilling in chunks) are not in the prefix cache
+        # yet; a waiting request that starts like one of them waits and then reuses its prefix
+        # instead of recomputing it.
         admitted_heads: set[tuple[int, ...]] = set()
+        for req in self.prefilling:
+            head = self.shareable_head(req)
+            if head and self.kv.prefix_cache.prefix_length(list(head)) < len(head):
+                admitted_heads.add(head)
         deferred: list[Req] = []
         while self.waiting and budget > 0:
             active = len(self.running) + len(self.prefilling)
             if active >= self.engine.max_running_requests or self.kv.page_table.num_free_rows == 0:
                 break
             req = self.waiting[0]
-            head = tuple(req.token_ids[:min(SHARED_HEAD_TOKENS, req.device_len - 1)])
-            # A short prompt shares when it is the same prompt (the n copies of one request).
-            shareable = len(head) == SHARED_HEAD_TOKENS or (
-                len(head) == req.device_len - 1 and len(head) >= max(1, self.config.page_size))
-            if shareable and head in admitted_heads and not req.output_len:
+            head = self.shareable_head(req)
+            if head and head in admitted_heads and not req.output_len:
                 deferred.append(self.waiting.popleft())
                 continue
             evictable_before = self.kv.prefix_cache.evictable_pages
@@ -199,7 +201,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.preempted = False
-            if shareable and req.cached_len < len(head):
+            if head and req.cached_len < len(head):
                 admitted_heads.add(head)
             if self.tracer.enabled:
                 if req.preempted:
@@ -217,6 +219,15 @@ class Scheduler:
         batch = Batch(Phase.PREFILL, reqs, lens)
         batch.sample_mask = [r.cached_len + n == r.device_len for r, n in zip(reqs, lens)]
         return batch
+
+    def shareable_head(self, req: Req) -> tuple[int, ...] | None:
+        """The first SHARED_HEAD_TOKENS tokens, or a shorter prompt's whole known part (so the n
+        copies of one short request share it too); None when too short to be worth a wait."""
+        head = tuple(req.token_ids[:min(SHARED_HEAD_TOKENS, req.device_len - 1)])
+        if len(head) == SHARED_HEAD_TOKENS or (len(head) == req.device_len - 1
+                                                and len(head) >= max(1, self.config.page_size)):
+            return head
+        return None
 
     def schedule_decode(self) -> Batch | None:
         # A request whose in-flight step (overlap mode) reaches max_tokens needs no more steps.
@@ -297,6 +308,7 @@ class Scheduler:
         more token, now known on the device."""
         for req, n, sampled in zip(batch.reqs, batch.extend_lens, batch.sample_mask):
             before = req.state() if self.tracer.enabled else None
+            moved = None
             req.cached_len += n
             if batch.phase == Phase.PREFILL:
                 self.counters.prefill_tokens_computed += n
@@ -306,11 +318,11 @@ class Scheduler:
                     self.prefilling.remove(req)
                     self.running.append(req)
                     moved = self.kv.cache_prompt(req)
-                    if self.tracer.enabled:
-                        self.tracer.emit("prompt_cached", req.uid, cached_len=req.cached_len,
-                                         repointed=[list(m) for m in moved])
             if before is not None:
                 self.tracer.emit("request_state_updated", req.uid, before=before, after=req.state())
+                if moved is not None:
+                    self.tracer.emit("prompt_cached", req.uid, cached_len=req.cached_len,
+                                     repointed=[list(m) for m in moved])
 
     def _count_step(self, batch: Batch, seconds: float) -> None:
         c = self.counters

@@ -99,7 +99,10 @@ class SchedulerLoop:
                 self.timer.forget(o.uid)
         self.send_out(m.TokenOutputs(uids=[o.uid for o in outputs], token_ids=[o.token_id for o in outputs],
                                      finish_reasons=[o.finish_reason for o in outputs],
-                                     stop_reasons=[o.stop_reason for o in outputs], first_token_timings=timings))
+                                     stop_reasons=[o.stop_reason for o in outputs], first_token_timings=timings,
+                                     logprobs={o.uid: o.logprobs for o in outputs if o.logprobs is not None},
+                                     prompt_logprobs={o.uid: o.prompt_logprobs for o in outputs
+                                                      if o.prompt_logprobs is not None}))
 
     def startup_info(self) -> dict:
         engine = self.scheduler.engine

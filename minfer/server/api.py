@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minfer import __version__
 from minfer.config import EngineConfig, ServerConfig
-from minfer.core import InvalidRequestError, SamplingParams
+from minfer.core import InvalidRequestError, SamplingParams, TokenLogprobs
 from minfer.ipc import messages as m
 from minfer.ipc.process import dead_workers
 from minfer.server.client import EngineClient, RequestGroup
@@ -94,8 +94,17 @@ class Choice:
     finish_time: float | None = None
     queue_s: float | None = None  # measured by the scheduler, sent with the first token
     prefill_s: float | None = None
+    logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)  # of token_ids, when asked for
+    prompt_logprobs: TokenLogprobs | None = None
+    prompt_text: str = ""  # with echo
 
     def add(self, reply: m.Reply) -> None:
+        if reply.logprobs is not None:
+            self.logprobs.extend(reply.logprobs)
+        if reply.prompt_logprobs is not None:
+            self.prompt_logprobs = reply.prompt_logprobs
+        if reply.prompt_text is not None:
+            self.prompt_text = reply.prompt_text
         self.text += reply.text
         self.token_ids += reply.token_ids
         self.prompt_tokens = reply.prompt_tokens
@@ -108,6 +117,51 @@ class Choice:
             self.queue_s, self.prefill_s = reply.queue_s, reply.prefill_s
         if reply.finish_reason is not None:
             self.finish_time = time.monotonic()
+
+
+def completion_logprobs(parts: list[TokenLogprobs], offset: int = 0) -> tuple[dict, int]:
+    """OpenAI's completions `logprobs` object over consecutive tokens; text offsets start at
+    `offset` (the characters before the first token). Returns it and the offset after it."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for part in parts:
+        for i, text in enumerate(part.tokens):
+            tokens.append(text)
+            token_logprobs.append(part.logprobs[i])
+            if part.logprobs[i] is None:  # the prompt's first token: nothing predicts it
+                top_logprobs.append(None)
+            else:  # the chosen token too, as vLLM does, so a sampled unlikely token is visible
+                top = dict(zip(part.top_tokens[i], part.top_logprobs[i]))
+                top.setdefault(text, part.logprobs[i])
+                top_logprobs.append(top)
+            text_offset.append(offset)
+            offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}, offset
+
+
+def chat_logprobs(lp: TokenLogprobs) -> dict:
+    """OpenAI's chat `logprobs` object: token, logprob, UTF-8 bytes and the top alternatives."""
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [
+        {**entry(token, logprob), "top_logprobs": [entry(t, v) for t, v in zip(top_tokens, top_values)]}
+        for token, logprob, top_tokens, top_values in zip(lp.tokens, lp.logprobs, lp.top_tokens, lp.top_logprobs)]}
+
+
+def sglang_logprobs(lp: TokenLogprobs, start: int, with_text: bool) -> tuple[list, list]:
+    """SGLang's (token logprobs, top logprobs) lists of [logprob, token id, text or None] from
+    position `start` on."""
+    def item(logprob, token_id, text):
+        return [logprob, token_id, text if with_text else None]
+
+    tokens, tops = [], []
+    for i in range(start, len(lp.token_ids)):
+        tokens.append(item(lp.logprobs[i], lp.token_ids[i], lp.tokens[i] if lp.tokens else None))
+        tops.append(None if lp.logprobs[i] is None else [
+            item(v, t, s) for v, t, s in zip(lp.top_logprobs[i], lp.top_ids[i], lp.top_tokens[i] or [None] * len(
+                lp.top_ids[i]))])
+    return tokens, tops
 
 
 def usage(choices: dict[int, Choice], n: int) -> dict:
@@ -177,12 +231,12 @@ def build_app(state: ServerState) -> FastAPI:
                            "model", "model_not_found")
 
     def new_request(params: SamplingParams, auto: bool, prompt: str | list[int] | None = None,
-                    messages: list[dict] | None = None) -> m.GenerateRequest:
+                    messages: list[dict] | None = None, echo: bool = False) -> m.GenerateRequest:
         uid = next(client.uids)
         if isinstance(prompt, str):
-            return m.GenerateRequest(uid=uid, params=params, prompt=prompt, max_tokens_auto=auto)
+            return m.GenerateRequest(uid=uid, params=params, prompt=prompt, max_tokens_auto=auto, echo=echo)
         if prompt is not None:
-            return m.GenerateRequest(uid=uid, params=params, prompt_ids=prompt, max_tokens_auto=auto)
+            return m.GenerateRequest(uid=uid, params=params, prompt_ids=prompt, max_tokens_auto=auto, echo=echo)
         return m.GenerateRequest(uid=uid, params=params, messages=messages, max_tokens_auto=auto)
 
     def choice_params(params: SamplingParams, j: int) -> SamplingParams:
@@ -192,7 +246,7 @@ def build_app(state: ServerState) -> FastAPI:
         return msgspec.structs.replace(params, seed=(params.seed + j) % 2**63)
 
     async def start(request: Request, rid: str, prompts: list, n: int, params: SamplingParams, auto: bool,
-                    chat: bool = False) -> RequestGroup:
+                    chat: bool = False, echo: bool = False) -> RequestGroup:
         if rid in state.groups:
             raise APIError(400, f"request id {rid!r} is already in use", "rid")
         group = RequestGroup(client, rid)
@@ -201,7 +255,7 @@ def build_app(state: ServerState) -> FastAPI:
             for i, prompt in enumerate(prompts):
                 for j in range(n):
                     p = choice_params(params, j)
-                    req = new_request(p, auto, messages=prompt) if chat else new_request(p, auto, prompt)
+                    req = new_request(p, auto, messages=prompt) if chat else new_request(p, auto, prompt, echo=echo)
                     group.submit(i * n + j, req)
             await unless_disconnected(group.wait_started(), request)
         except BaseException:
@@ -258,16 +312,23 @@ def build_app(state: ServerState) -> FastAPI:
         params, auto = body.sampling_params(body.max_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         try:
-            group = await start(request, rid, body.prompts(), body.n, params, auto)
+            group = await start(request, rid, body.prompts(), body.n, params, auto, echo=body.echo)
         except ClientGone:
             return Response(status_code=499)
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+        want_logprobs = body.logprobs is not None
+
+        def choice_logprobs(c: Choice) -> dict | None:
+            if not want_logprobs:
+                return None
+            parts = [c.prompt_logprobs, c.logprobs] if body.echo and c.prompt_logprobs else [c.logprobs]
+            return completion_logprobs(parts)[0]
 
         def build(choices: dict[int, Choice]) -> dict:
             return {**base, "choices": [
-                {"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
-                 "stop_reason": c.stop_reason} for i, c in sorted(choices.items())],
+                {"index": i, "text": c.prompt_text + c.text if body.echo else c.text, "logprobs": choice_logprobs(c),
+                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in sorted(choices.items())],
                 "usage": usage(choices, body.n)}
 
         if not body.stream:
@@ -275,12 +336,21 @@ def build_app(state: ServerState) -> FastAPI:
 
         async def chunks():
             choices = {i: Choice() for i in group.choice.values()}
+            offsets = dict.fromkeys(choices, 0)  # characters streamed so far, for text_offset
             async for reply in events(group):
                 index = group.choice[reply.uid]
                 choices[index].add(reply)
-                if not reply.text and reply.finish_reason is None:
+                text = reply.text
+                parts = [reply.logprobs] if reply.logprobs else []
+                if body.echo and reply.prompt_text is not None:
+                    text = reply.prompt_text + text
+                    parts = [reply.prompt_logprobs, *parts] if reply.prompt_logprobs else parts
+                if not text and reply.finish_reason is None and not parts:
                     continue
-                chunk = {**base, "choices": [{"index": index, "text": reply.text, "logprobs": None,
+                logprobs = None
+                if want_logprobs:
+                    logprobs, offsets[index] = completion_logprobs(parts, offsets[index])
+                chunk = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                               "finish_reason": reply.finish_reason,
                                               "stop_reason": reply.stop_reason}]}
                 if body.continuous_usage:
@@ -308,7 +378,8 @@ def build_app(state: ServerState) -> FastAPI:
 
         def build(choices: dict[int, Choice]) -> dict:
             return {**base, "object": "chat.completion", "choices": [
-                {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                {"index": i, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": chat_logprobs(c.logprobs) if body.logprobs else None,
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 for i, c in sorted(choices.items())], "usage": usage(choices, body.n)}
 
@@ -317,8 +388,8 @@ def build_app(state: ServerState) -> FastAPI:
 
         chunk_base = {**base, "object": "chat.completion.chunk"}
 
-        def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None) -> dict:
-            return {**chunk_base, "choices": [{"index": index, "delta": delta, "logprobs": None,
+        def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None, logprobs=None) -> dict:
+            return {**chunk_base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                                "finish_reason": finish_reason, "stop_reason": stop_reason}]}
 
         async def chunks():
@@ -328,10 +399,11 @@ def build_app(state: ServerState) -> FastAPI:
             async for reply in events(group):
                 index = group.choice[reply.uid]
                 choices[index].add(reply)
-                if not reply.text and reply.finish_reason is None:
+                has_logprobs = body.logprobs and reply.logprobs is not None
+                if not reply.text and reply.finish_reason is None and not has_logprobs:
                     continue
                 c = chunk(index, {"content": reply.text} if reply.text else {}, reply.finish_reason,
-                          reply.stop_reason)
+                          reply.stop_reason, chat_logprobs(reply.logprobs) if has_logprobs else None)
                 if body.continuous_usage:
                     c["usage"] = usage(choices, body.n)
                 yield sse(c)
@@ -345,7 +417,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/generate")
     async def generate(body: GenerateRequestBody, request: Request):
         prompts, batched = body.prompts()
-        params, auto = body.sampling_params.to_params()
+        params, auto = body.params()
         rid = body.rid or uuid.uuid4().hex
         arrival = time.monotonic()
         try:
@@ -367,6 +439,12 @@ def build_app(state: ServerState) -> FastAPI:
             meta = {"id": rid if not batched else f"{rid}-{index}", "prompt_tokens": c.prompt_tokens,
                     "completion_tokens": c.completion_tokens, "finish_reason": reason,
                     "e2e_latency": timings["e2e_s"], "timings": timings}
+            if body.return_logprob:
+                with_text = body.return_text_in_logprobs
+                meta["output_token_logprobs"], meta["output_top_logprobs"] = sglang_logprobs(c.logprobs, 0, with_text)
+                if c.prompt_logprobs is not None:
+                    meta["input_token_logprobs"], meta["input_top_logprobs"] = sglang_logprobs(
+                        c.prompt_logprobs, body.logprob_start_len, with_text)
             return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}
 
         if not body.stream:

@@ -69,6 +69,17 @@ def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", first_param
 
 
+def token_bias(bias: dict[str, float] | None, param: str) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys) with integer keys."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise APIError(400, f"{param} keys must be token ids, got {key!r}", param) from None
+    return out
+
+
 # More choices per prompt than this is a mistake, not a workload (each holds its own KV).
 MAX_CHOICES = 128
 # Integers cross to the workers as msgpack int64: a larger one is a 400 here, not a 500 there.
@@ -102,16 +113,20 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) of SamplingParams: top-k of each, None for none."""
+        return None, None
 
     def sampling_params(self, max_tokens: int | None) -> tuple[SamplingParams, bool]:
         """The request's SamplingParams, and whether max_tokens is left to fill the context."""
         if not 1 <= self.n <= MAX_CHOICES:
             raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported", name)
         auto = max_tokens is None
+        logprobs, prompt_logprobs = self.logprob_counts()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         params = SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -119,7 +134,10 @@ class _SamplingFields(_Body):
             top_k=-1 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
             max_tokens=max(1, self.min_tokens) if auto else max_tokens, min_tokens=self.min_tokens,
-            stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, seed=self.seed)
+            stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, seed=self.seed,
+            frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=token_bias(self.logit_bias, "logit_bias"), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
             params.validate()
         except InvalidRequestError as e:
@@ -142,11 +160,10 @@ class CompletionRequest(_SamplingFields):
     logprobs: Int | None = None
     suffix: str | None = None
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
+
     def check_supported(self) -> None:
-        if self.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", "logprobs")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
 
@@ -191,9 +208,12 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict] | None = None
     response_format: dict | None = None
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+
     def check_supported(self) -> None:
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
         if self.tools:
             raise APIError(400, "tools are not supported", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -217,15 +237,23 @@ class GenerateSamplingParams(_Body):
     ignore_eos: bool = False
     sampling_seed: Int | None = None
     seed: Int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
 
-    def to_params(self) -> tuple[SamplingParams, bool]:
+    def to_params(self, logprobs: int | None = None, prompt_logprobs: int | None = None) -> tuple[SamplingParams, bool]:
         auto = self.max_new_tokens is None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                 min_p=self.min_p, max_tokens=max(1, self.min_new_tokens) if auto else self.max_new_tokens,
                                 min_tokens=self.min_new_tokens, stop=stop,
                                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-                                seed=self.sampling_seed if self.sampling_seed is not None else self.seed)
+                                seed=self.sampling_seed if self.sampling_seed is not None else self.seed,
+                                frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                                repetition_penalty=self.repetition_penalty,
+                                logit_bias=token_bias(self.logit_bias, "sampling_params.logit_bias"),
+                                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
             params.validate()
         except InvalidRequestError as e:
@@ -242,6 +270,16 @@ class GenerateRequestBody(_Body):
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
     rid: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: Int = -1  # -1: output logprobs only; p >= 0: also the prompt's from position p
+    top_logprobs_num: Int = 0
+    return_text_in_logprobs: bool = False
+
+    def params(self) -> tuple[SamplingParams, bool]:
+        if not self.return_logprob:
+            return self.sampling_params.to_params()
+        return self.sampling_params.to_params(self.top_logprobs_num,
+                                              self.top_logprobs_num if self.logprob_start_len >= 0 else None)
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
         """The prompts, and whether the request was a batch (the answer is then a list)."""

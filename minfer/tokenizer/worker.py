@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import zmq
 
 from minfer.config import EngineConfig
-from minfer.core import InvalidRequestError
+from minfer.core import InvalidRequestError, TokenLogprobs
 from minfer.ipc import messages as m
 from minfer.ipc.process import parent_alive, setup_worker_process
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
@@ -69,6 +69,7 @@ class _Detok:
     detokenizer: IncrementalDetokenizer
     prompt_tokens: int
     completion_tokens: int = 0
+    prompt_text: str | None = None  # sent with the first reply (echo), then forgotten
 
 
 class TokenizerWorker:
@@ -81,6 +82,7 @@ class TokenizerWorker:
         self.send_api = send_api
         self.requests: dict[int, _Detok] = {}
         self.replies: list[m.Reply] = []  # collected while handling one batch of messages
+        self._token_strings: dict[int, str] = {}  # token id -> its text alone, for logprobs
 
     def handle(self, msg: m.Message) -> None:
         """Handle one message; an unexpected error fails that request, not the worker."""
@@ -128,7 +130,10 @@ class TokenizerWorker:
         if self.tracer.enabled:
             self.tracer.emit("tokenized", req.uid, prompt_len=len(ids))
         detok = IncrementalDetokenizer(self.tokenizer, req.params.stop)
-        self.requests[req.uid] = _Detok(detok, len(ids))
+        prompt_text = None
+        if req.echo:
+            prompt_text = req.prompt if req.prompt is not None else self.token_text(ids)
+        self.requests[req.uid] = _Detok(detok, len(ids), prompt_text=prompt_text)
         self.send_scheduler(m.TokenizedRequest(uid=req.uid, token_ids=ids, params=req.params,
                                                max_tokens_auto=req.max_tokens_auto))
 
@@ -152,11 +157,35 @@ class TokenizerWorker:
                 del self.requests[uid]
             if text or tokens or finish:
                 queue_s, prefill_s = out.first_token_timings.get(uid, (None, None))
-                self.replies.append(m.Reply(uid, text, tokens, state.prompt_tokens, state.completion_tokens,
-                                            finish, stop_reason, queue_s, prefill_s))
+                reply = m.Reply(uid, text, tokens, state.prompt_tokens, state.completion_tokens,
+                                finish, stop_reason, queue_s, prefill_s)
+                if uid in out.logprobs:
+                    reply.logprobs = self.with_token_strings(out.logprobs[uid])
+                if uid in out.prompt_logprobs:
+                    reply.prompt_logprobs = self.with_token_strings(out.prompt_logprobs[uid])
+                reply.prompt_text, state.prompt_text = state.prompt_text, None
+                self.replies.append(reply)
                 if self.tracer.enabled:
                     self.tracer.emit("detokenized", uid, text_len=len(text),
                                      completion_tokens=state.completion_tokens, finish_reason=finish)
+
+    def token_text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+    def with_token_strings(self, lp: TokenLogprobs) -> TokenLogprobs:
+        """Fill the text of each token (each decoded alone, as OpenAI's and vLLM's logprobs show it)."""
+        text = self._token_strings
+        for t in lp.token_ids:
+            if t not in text:
+                text[t] = self.token_text([t])
+        lp.tokens = [text[t] for t in lp.token_ids]
+        lp.top_tokens = []
+        for ids in lp.top_ids:
+            for t in ids:
+                if t not in text:
+                    text[t] = self.token_text([t])
+            lp.top_tokens.append([text[t] for t in ids])
+        return lp
 
     # -- /tokenize, /detokenize, /tokenizer_info -----------------------------------------------
     def answer(self, call: m.TokenizerCall) -> m.TokenizerResult:

@@ -1,0 +1,234 @@
+"""Logprobs (completions with echo, chat, /generate), penalties and logit_bias, min_tokens and
+n > 1 against a real `minfer serve` (tiny random model, real tokenizer).
+
+The reference for logprobs is transformers' own forward pass of the same checkpoint: the server
+reports the raw distribution, log-softmax of the logits (docs/SERVING.md)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+from server_harness import Server, parse_sse
+
+PROMPT = "The quick brown fox jumps over the lazy dog because it wants to"
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model, tmp_path_factory):
+    srv = Server([tiny_chat_model, "--served-model-name", "tiny", "--kv-cache-tokens", "16384",
+                  "--chunked-prefill-size", "8"],  # prompt logprobs gathered over several chunks
+                 tmp_path_factory.mktemp("logs") / "server.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_model):
+    """log-softmax of transformers' logits over a token sequence, [len, vocab]."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return logprobs
+
+
+def prompt_ids(server: Server, text: str) -> list[int]:
+    return server.post("/tokenize", {"prompt": text}).json()["tokens"]
+
+
+def assert_sorted(values: list[float]) -> None:
+    assert values == sorted(values, reverse=True)
+
+
+def test_completion_echo_logprobs_equal_transformers(server, reference):
+    ids = prompt_ids(server, PROMPT)
+    body = {"prompt": PROMPT, "max_tokens": 3, "echo": True, "logprobs": 3, **GREEDY}
+    resp = server.post("/v1/completions", body).json()
+    choice = resp["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 3
+    assert choice["text"].startswith(PROMPT)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    # The generated tokens, from /generate with the same prompt ids.
+    out = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, **GREEDY}}).json()
+    full = ids + out["output_ids"]
+    ref = reference(full)
+    expected = ref[torch.arange(len(full) - 1), torch.tensor(full[1:])]
+    assert torch.allclose(torch.tensor(lp["token_logprobs"][1:]), expected, atol=2e-4)
+    for i, top in enumerate(lp["top_logprobs"][1:]):
+        assert_sorted(list(top.values()))
+        assert len(top) >= 3 and math.isclose(max(top.values()), ref[i].max().item(), abs_tol=2e-4)
+    for i in range(len(ids), len(full)):  # greedy: the chosen token is the most likely one
+        assert lp["token_logprobs"][i] == max(lp["top_logprobs"][i].values())
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    # Without echo: only the generated tokens, with the same numbers. (openai's type has no room
+    # for the null logprob of the first prompt token, which OpenAI and vLLM return with echo.)
+    plain = Completion.model_validate(server.post("/v1/completions", {**body, "echo": False}).json())
+    plain = plain.model_dump()["choices"][0]
+    assert plain["logprobs"]["token_logprobs"] == lp["token_logprobs"][len(ids):]
+    assert plain["text"] == choice["text"][len(PROMPT):]
+
+
+def test_completion_logprobs_stream(server):
+    body = {"prompt": PROMPT, "max_tokens": 6, "logprobs": 2, "stream": True, **GREEDY}
+    resp = server.post("/v1/completions", body)
+    tokens = []
+    for event in parse_sse(resp.text):
+        lp = event["choices"][0]["logprobs"]
+        tokens += lp["tokens"] if lp else []
+    whole = server.post("/v1/completions", {**body, "stream": False}).json()["choices"][0]
+    assert tokens == whole["logprobs"]["tokens"] and len(tokens) == 6
+
+
+def test_chat_logprobs(server):
+    body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5, "logprobs": True,
+            "top_logprobs": 4, **GREEDY}
+    resp = server.post("/v1/chat/completions", body).json()
+    ChatCompletion.model_validate(resp)
+    content = resp["choices"][0]["logprobs"]["content"]
+    assert len(content) == resp["usage"]["completion_tokens"] == 5
+    for entry in content:
+        top = entry["top_logprobs"]
+        assert len(top) == 4 and entry["token"] == top[0]["token"] and entry["logprob"] == top[0]["logprob"]
+        assert_sorted([t["logprob"] for t in top])
+        assert bytes(entry["bytes"]).decode() == entry["token"]
+    none = server.post("/v1/chat/completions", {**body, "logprobs": False, "top_logprobs": None}).json()
+    assert none["choices"][0]["logprobs"] is None
+
+
+def test_generate_logprobs(server, reference):
+    ids = prompt_ids(server, PROMPT)
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, **GREEDY}, "return_logprob": True,
+            "logprob_start_len": 2, "top_logprobs_num": 2, "return_text_in_logprobs": True}
+    meta = server.post("/generate", body).json()["meta_info"]
+    inputs, outputs = meta["input_token_logprobs"], meta["output_token_logprobs"]
+    assert [t[1] for t in inputs] == ids[2:] and len(outputs) == 4
+    full = ids + [t[1] for t in outputs]
+    ref = reference(full)
+    got = [t[0] for t in inputs + outputs]
+    expected = ref[torch.arange(1, len(full) - 1), torch.tensor(full[2:])]
+    assert torch.allclose(torch.tensor(got), expected, atol=2e-4)
+    for top in meta["output_top_logprobs"]:
+        assert len(top) == 2 and isinstance(top[0][2], str)
+    assert "input_token_logprobs" not in server.post("/generate", {**body, "logprob_start_len": -1}).json()[
+        "meta_info"]
+
+
+def generate_ids(server: Server, **sampling) -> list[int]:
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 16, **GREEDY, **sampling}}
+    return server.post("/generate", body).json()["output_ids"]
+
+
+@pytest.mark.parametrize("penalty", ["frequency_penalty", "presence_penalty"])
+def test_penalty_prevents_repeats(server, penalty):
+    # The tiny model's logits differ by tenths: a penalty of 2 outweighs any preference.
+    out = generate_ids(server, **{penalty: 2.0})
+    assert len(set(out)) == len(out) == 16
+
+
+def test_repetition_penalty_changes_output(server):
+    ids = prompt_ids(server, PROMPT)
+    out = generate_ids(server, repetition_penalty=50.0)
+    assert out != generate_ids(server) or not set(out) & set(ids)
+
+
+def test_logit_bias_forces_tokens(server):
+    forced = generate_ids(server, logit_bias={"1234": 100})
+    assert forced == [1234] * 16
+    # Two forced tokens and a frequency penalty: they alternate.
+    both = generate_ids(server, logit_bias={"1234": 100, "4321": 100}, frequency_penalty=1.0)
+    assert set(both) == {1234, 4321} and all(a != b for a, b in itertools.pairwise(both))
+
+
+def test_min_tokens_suppresses_eos_in_the_logits(server):
+    eos = server.info()["eos_token_ids"][0]
+    sampling = {"temperature": 0, "logit_bias": {str(eos): 100}, "max_new_tokens": 8}
+    body = {"text": PROMPT, "sampling_params": sampling}
+    first = server.post("/generate", body).json()
+    assert first["output_ids"] == [eos] and first["meta_info"]["finish_reason"]["type"] == "stop"
+    late = server.post("/generate", {**body, "sampling_params": {**sampling, "min_new_tokens": 5}}).json()
+    assert late["output_ids"][5:] == [eos] and eos not in late["output_ids"][:5]
+
+
+@pytest.mark.parametrize("prompt_len", [12, 48])
+def test_n_choices_prefill_the_prompt_once(server, prompt_len):
+    ids = [100 + (7 * i + prompt_len) % 5000 for i in range(prompt_len)]
+    before = server.info()["counters"]["prefill_tokens_computed"]
+    resp = server.post("/v1/completions", {"prompt": ids, "n": 3, "max_tokens": 4, "temperature": 1.0,
+                                           "ignore_eos": True}).json()
+    assert sorted(c["index"] for c in resp["choices"]) == [0, 1, 2]
+    computed = server.info()["counters"]["prefill_tokens_computed"] - before
+    # The first copy computes the prompt; the others only its last token (it has no logits cached).
+    assert computed == prompt_len + 2
+
+
+MC_TASK = """task: minfer_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+"""
+
+GEN_TASK = """task: minfer_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+def test_lm_evaluation_harness_runs_offline(server, tmp_path):
+    """lm-evaluation-harness's local-completions (loglikelihood with echo logprobs, and
+    generate_until) with the server's own tokenizer endpoints and task files written here."""
+    pytest.importorskip("lm_eval")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    mc = [{"question": f"Question {i}: the colour of the sky is", "choices": [" blue", " green", " red"],
+           "label": 0} for i in range(4)]
+    gen = [{"question": f"Say a word number {i}:", "answer": "word"} for i in range(3)]
+    for name, rows, template in (("mc", mc, MC_TASK), ("gen", gen, GEN_TASK)):
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp_path / f"{name}.yaml").write_text(template.format(data=data))
+    model_args = (f"model=tiny,base_url={server.url}/v1/completions,tokenizer_backend=remote,"
+                  "num_concurrent=2,max_retries=1")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions",
+                           "--model_args", model_args, "--tasks", "minfer_mc,minfer_gen",
+                           "--include_path", str(tmp_path), "--output_path", str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())["results"]
+    assert 0 <= results["minfer_mc"]["acc,none"] <= 1
+    assert 0 <= results["minfer_gen"]["exact_match,none"] <= 1
