@@ -200,7 +200,6 @@ class Scheduler:
                 cache_counters.queried_tokens, cache_counters.hit_tokens = counted
                 break
             self.waiting.popleft()
-            req.preempted = False
             if head and req.cached_len < len(head):
                 admitted_heads.add(head)
             if self.tracer.enabled:
@@ -208,6 +207,7 @@ class Scheduler:
                     self.tracer.emit("resumed", req.uid, **req.state())
                 self.tracer.emit("prefix_matched", req.uid, hit_tokens=req.cached_len,
                                  queried_tokens=req.device_len - 1)
+            req.preempted = False
             free_pages -= need
             self.prefilling.append(req)
             reqs.append(req)

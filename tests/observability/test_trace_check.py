@@ -27,7 +27,10 @@ def test_seed_scenario_13_token_prompt(tiny_llama, tmp_path, overlap):
     llm = traced_llm(tiny_llama, path, kv_cache_tokens=256, disable_overlap_schedule=not overlap)
     llm.generate([list(range(1, 14))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     events = finish_trace(llm, path)
-    assert [e["event"] for e in events][:4] == ["queued", "prefix_matched", "batch_scheduled", "kv_slots_allocated"]
+    assert events[0]["event"] == "kv_pool" and events[0]["num_slots"] == 256
+    request_events = [e["event"] for e in events if e["uid"] == 0]
+    assert request_events[:4] == ["queued", "prefix_matched", "batch_scheduled", "kv_slots_allocated"]
+    assert request_events[4:6] == ["request_state_updated", "prompt_cached"]
     allocs = [e for e in events if e["event"] == "kv_slots_allocated"]
     assert [(e["cached_len"], e["device_len"], e["extend_len"]) for e in allocs] == [
         (0, 13, 13), (13, 14, 1), (14, 15, 1), (15, 16, 1)]
