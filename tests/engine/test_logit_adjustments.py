@@ -64,7 +64,7 @@ def test_offline_prompt_and_sampled_logprobs(tiny):
     from minfer import LLM
 
     path, hf = tiny
-    llm = LLM(path, chunked_prefill_size=5, kv_cache_tokens=4096)
+    llm = LLM(path, device="cpu", chunked_prefill_size=5, kv_cache_tokens=4096)
     prompt = list(range(3, 20))
     params = SamplingParams(temperature=0.8, seed=1, max_tokens=4, logprobs=2, prompt_logprobs=3)
     out = llm.generate_ids([prompt, prompt], [params, SamplingParams(max_tokens=4)], use_tqdm=False)[0]
