@@ -154,8 +154,18 @@ def join_tp_group(config, rank: int, store: dist.TCPStore, device_type: str,
     return TPGroup(rank, config.tp, dist.group.WORLD, cpu_group, local_rank)
 
 
-def leave_tp_group() -> None:
-    """Destroy this process's groups, so that a later TP job in the same process can start."""
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):  # a peer already gone must not stop the cleanup
+def leave_tp_group(tp: TPGroup) -> None:
+    """Drop this process's groups, so that a later TP job in the same process can start.
+
+    NCCL communicators are aborted, not destroyed: ncclCommDestroy flushes with the peers and
+    waited forever on the H200 host once the other rank had exited (its CUDA graphs still hold
+    the communicator); ncclCommAbort needs no peer. Gloo groups are simply destroyed."""
+    if not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):  # a peer already gone must not stop the cleanup
+        if tp.cpu_group is not None:
+            dist.destroy_process_group(tp.cpu_group)
+        if dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+            dist.distributed_c10d._abort_process_group()
+        else:
             dist.destroy_process_group()

@@ -56,7 +56,7 @@ def device_type_of(config: EngineConfig) -> str:
 def follower_main(config: EngineConfig, rank: int) -> None:
     """Join the TP group as `rank`, load this rank's shard, follow rank 0 until it stops."""
     from minfer.distributed.faults import fault_point
-    from minfer.distributed.parallel import create_store, join_tp_group, leave_tp_group
+    from minfer.distributed.parallel import create_store, join_tp_group
     from minfer.distributed.step_sync import follow
     from minfer.engine.engine import Engine
     from minfer.observability.trace import NULL_TRACER
@@ -67,19 +67,29 @@ def follower_main(config: EngineConfig, rank: int) -> None:
     engine = Engine(config, tp)
     # Rank 0 writes the request trace; followers would only duplicate it.
     follow(tp, engine, Scheduler(engine, tracer=NULL_TRACER))
-    leave_tp_group()
 
 
 def run_follower_rank(config: EngineConfig, rank: int) -> None:
-    """Entry point of a follower process (spawned by server/launch.py, or by `main` below)."""
+    """Entry point of a follower process (spawned by server/launch.py, or by `main` below).
+
+    However it ends, the process leaves through os._exit: tearing down an NCCL communicator
+    (explicitly or in its destructor at interpreter exit) can wait for peers that are gone,
+    and a follower has nothing else to clean up."""
     from minfer.ipc.process import setup_worker_process
 
     setup_worker_process(f"minfer-tp{rank}", config.log_level)
+    code = 0
     try:
         follower_main(config, rank)
-    except Exception:
+    except SystemExit as e:  # SIGTERM from the api server
+        code = e.code if isinstance(e.code, int) else 0
+    except BaseException:
         log.exception("tensor-parallel rank %d failed", rank)
-        raise SystemExit(1) from None
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class LocalRanks:
@@ -139,13 +149,14 @@ def start_rank_zero(config: EngineConfig, spawn_followers: bool) -> StepLeader:
     host = (config.dist_init_addr or "127.0.0.1:0").rpartition(":")[0]
     follower_config = dataclasses.replace(config, dist_init_addr=f"{host}:{store.port}")
     ranks = LocalRanks(follower_config, layout.node_ranks[1:]) if spawn_followers else None
+    tp = SINGLE
     try:
         tp = join_tp_group(config, 0, store, device_type_of(config), ranks.check if ranks else None)
         fault_point(0, "init")
     except BaseException:
         if ranks is not None:
             ranks.stop(wait_s=0.0)
-        leave_tp_group()
+        leave_tp_group(tp)
         raise
     return StepLeader(tp, ranks)
 

@@ -196,7 +196,7 @@ class StepLeader:
                 graceful = False
         if self.ranks is not None:
             self.ranks.stop(wait_s=10.0 if graceful else 0.0)
-        leave_tp_group()
+        leave_tp_group(self.tp)
 
 
 def follow(tp: TPGroup, engine: Engine, scheduler: Scheduler) -> None:

@@ -101,7 +101,8 @@ def _allreduce_worker(rank: int, port: int, out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    # Not destroy_process_group: with graph-captured collectives it hung here on the H200 host.
+    dist.distributed_c10d._abort_process_group()
 
 
 def allreduce(out_dir: str) -> None:
