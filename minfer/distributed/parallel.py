@@ -157,9 +157,10 @@ def join_tp_group(config, rank: int, store: dist.TCPStore, device_type: str,
 def leave_tp_group(tp: TPGroup) -> None:
     """Drop this process's groups, so that a later TP job in the same process can start.
 
-    NCCL communicators are aborted, not destroyed: ncclCommDestroy flushes with the peers and
-    waited forever on the H200 host once the other rank had exited (its CUDA graphs still hold
-    the communicator); ncclCommAbort needs no peer. Gloo groups are simply destroyed."""
+    NCCL communicators are aborted, not destroyed: on the two-H200 host, tearing down after a
+    run with graph-captured collectives did not finish within 50 s (cause not isolated;
+    destroy flushes outstanding work), while ncclCommAbort waits for nothing and no peer.
+    Gloo groups are simply destroyed."""
     if not dist.is_initialized():
         return
     with contextlib.suppress(Exception):  # a peer already gone must not stop the cleanup

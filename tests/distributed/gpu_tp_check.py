@@ -101,7 +101,7 @@ def _allreduce_worker(rank: int, port: int, out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
-    # Not destroy_process_group: with graph-captured collectives it hung here on the H200 host.
+    # Not destroy_process_group: this run did not finish on the H200 host when it did (see leave_tp_group).
     dist.distributed_c10d._abort_process_group()
 
 
