@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in its interpreter. Triton reads this when a kernel is
+# defined (at import), so it is set here, before any test module can import minfer.kernels.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from tiny_models import ARCHS, save_tiny_model
 

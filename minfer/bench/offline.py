@@ -62,7 +62,8 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     output_tokens = sum(p.max_tokens for p in params)
     engine = llm.engine
     num_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
-    floor = workload_floor(H200, num_params * engine.tp.size, engine.memory.weights_bytes * engine.tp.size,
+    card = H200.times(engine.tp.size)
+    floor = workload_floor(card, num_params * engine.tp.size, engine.memory.weights_bytes * engine.tp.size,
                            engine.kv_bytes_per_token * engine.tp.size, [len(p) for p in prompts],
                            [p.max_tokens for p in params])
     mean_bs = c.decode_batch_total / max(c.decode_steps, 1)
@@ -72,7 +73,7 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     print(f"throughput {output_tokens / wall:,.0f} output tok/s, wall {wall:.2f} s")
     print(f"prefill {c.prefill_seconds:.2f} s in {c.prefill_steps} steps, decode {c.decode_seconds:.2f} s in "
           f"{c.decode_steps} steps (mean batch {mean_bs:.1f}), preemptions {c.preemptions}")
-    print(f"floor on {H200.name}: {floor.seconds:.2f} s = {output_tokens / floor.seconds:,.0f} tok/s "
+    print(f"floor on {card.name}: {floor.seconds:.2f} s = {output_tokens / floor.seconds:,.0f} tok/s "
           f"(decode bytes {floor.decode_seconds:.2f} s + prefill FLOPs {floor.prefill_seconds:.2f} s); "
-          f"this run is at {100 * floor.seconds / wall:.1f}% of the {H200.name} floor")
+          f"this run is at {100 * floor.seconds / wall:.1f}% of the {card.name} floor")
     return 0
