@@ -50,6 +50,13 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
         self.top_tokens += other.top_tokens
 
 
+class StructuredOutput(msgspec.Struct, array_like=True):
+    """A constraint on the output text: kind "json" (any JSON), "json_schema", "regex" or "ebnf"."""
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick tokens and when to stop. A msgspec struct so it can cross process boundaries."""
 
@@ -72,6 +79,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # and biases): None for none, k >= 0 for the chosen token's and the k most likely ones.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    structured_output: StructuredOutput | None = None  # compiled with xgrammar by the scheduler
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field outside its range."""
@@ -144,6 +152,7 @@ class Req:
     # Prompt logprobs by position (entry p scores token p + 1), filled chunk by chunk during
     # prefill when params.prompt_logprobs is set, sent with the first token.
     prompt_logprobs: dict[int, tuple[float, list[int], list[float]]] | None = None
+    grammar: object | None = None  # the xgrammar matcher of params.structured_output
 
     def __post_init__(self) -> None:
         if self.device_len == 0:

@@ -155,6 +155,7 @@ class Engine:
         self.page_table = PageTable(self.max_running_requests, self.max_model_len, self.device)
         self.page_table.point_padding_row_at(self.kv_pool.scratch_slot)
         self.graphs = None
+        self._grammar = None  # GrammarBackend, made by the first structured-output request
         if self.device.type == "cuda" and config.cuda_graph_max_bs > 0 and self.backend.name == "triton":
             from minfer.engine.cuda_graph import CudaGraphRunner
 
@@ -215,6 +216,8 @@ class Engine:
             adjustments = build_adjustments(chosen, self.page_table, self.vocab_size, self.device)
             if adjustments is not None:
                 logits = apply_adjustments(logits, adjustments)  # raw_logits is a copy when needed
+            if any(r.grammar is not None for r in chosen):
+                self.grammar_backend().apply(logits, [r.grammar for r in chosen])
             st = SamplingTensors.build([r.params for r in chosen], [r.seed for r in chosen],
                                        [r.device_len for r in chosen], self.vocab_size, self.device)
             next_tokens = sample(logits, st)
@@ -232,6 +235,14 @@ class Engine:
                                [sampled_rows[j] for j in logprob_rows], prompt_logprobs, prompt_spans)
         result.start_copy()
         return result
+
+    def grammar_backend(self):
+        """The xgrammar compiler of this model's tokenizer, made on first use (rank 0 only)."""
+        if self._grammar is None:
+            from minfer.engine.grammar import GrammarBackend
+
+            self._grammar = GrammarBackend(self.tokenizer, self.vocab_size)
+        return self._grammar
 
     @staticmethod
     def _prompt_logprob_spans(batch: Batch) -> list[tuple[int, int, int]]:

@@ -108,11 +108,16 @@ class Scheduler:
             if bad:
                 raise InvalidRequestError(
                     f"token id {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})", field_name)
+        grammar = None
+        if params.structured_output is not None:
+            if self.engine.tp.size > 1 or self.engine.tokenizer is None:
+                raise InvalidRequestError("structured output needs a tokenizer and tp=1", "response_format")
+            grammar = self.engine.grammar_backend().matcher(params.structured_output)
         uid = self.new_uid() if uid is None else uid
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(32)
         req = Req(uid=uid, token_ids=list(token_ids), prompt_len=len(token_ids), params=params,
                   eos_token_ids=self.engine.eos_token_ids, seed=seed,
-                  arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+                  arrival_time=arrival_time if arrival_time is not None else time.monotonic(), grammar=grammar)
         self.by_uid[uid] = req
         self.waiting.append(req)
         self.counters.prompt_tokens += len(token_ids)
@@ -231,7 +236,9 @@ class Scheduler:
 
     def schedule_decode(self) -> Batch | None:
         # A request whose in-flight step (overlap mode) reaches max_tokens needs no more steps.
-        reqs = [r for r in self.running if r.device_len - r.prompt_len < r.params.max_tokens]
+        # A grammar needs its previous token accepted before it can mask the next (grammar.py).
+        reqs = [r for r in self.running if r.device_len - r.prompt_len < r.params.max_tokens
+                and (r.grammar is None or len(r.token_ids) == r.device_len)]
         if not reqs:
             return None
         # Each request needs a slot for its newest token; free some by preemption, half-
@@ -357,6 +364,10 @@ class Scheduler:
             req.token_ids.append(token)
             self.counters.generation_tokens += 1
             reason, stop_reason = self.finish_reason(req, token)
+            if req.grammar is not None and not reason:
+                req.grammar.accept_token(token)
+                if req.grammar.is_terminated():
+                    reason = "stop"
             if reason:
                 self.finish(req, reason)
             out = StepOutput(req.uid, token, reason, stop_reason)

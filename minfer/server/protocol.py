@@ -7,11 +7,12 @@ so, rather than silently ignored, when ignoring them would change the answer.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from minfer.core import InvalidRequestError, SamplingParams
+from minfer.core import InvalidRequestError, SamplingParams, StructuredOutput
 
 
 class APIError(Exception):
@@ -115,7 +116,25 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
     user: str | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutput("json")
+        if kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                               "response_format")
+            return StructuredOutput("json_schema", json.dumps(schema))
+        raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
+                       "response_format")
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(logprobs, prompt_logprobs) of SamplingParams: top-k of each, None for none."""
@@ -137,7 +156,8 @@ class _SamplingFields(_Body):
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, seed=self.seed,
             frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            logit_bias=token_bias(self.logit_bias, "logit_bias"), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logit_bias=token_bias(self.logit_bias, "logit_bias"), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_output=self.structured_output())
         try:
             params.validate()
         except InvalidRequestError as e:
@@ -206,7 +226,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: Int | None = None
     tools: list[dict] | None = None
-    response_format: dict | None = None
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         if self.top_logprobs is not None and not self.logprobs:
@@ -216,8 +235,6 @@ class ChatCompletionRequest(_SamplingFields):
     def check_supported(self) -> None:
         if self.tools:
             raise APIError(400, "tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {\"type\": \"text\"} is supported", "response_format")
 
     def template_messages(self) -> list[dict]:
         return [msg.as_template_input() for msg in self.messages]
@@ -241,6 +258,16 @@ class GenerateSamplingParams(_Body):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        given = [(kind, spec) for kind, spec in (("json_schema", self.json_schema), ("regex", self.regex),
+                                                 ("ebnf", self.ebnf)) if spec is not None]
+        if len(given) > 1:
+            raise APIError(400, "give at most one of json_schema, regex and ebnf", "sampling_params.json_schema")
+        return StructuredOutput(*given[0]) if given else None
 
     def to_params(self, logprobs: int | None = None, prompt_logprobs: int | None = None) -> tuple[SamplingParams, bool]:
         auto = self.max_new_tokens is None
@@ -253,7 +280,8 @@ class GenerateSamplingParams(_Body):
                                 frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                                 repetition_penalty=self.repetition_penalty,
                                 logit_bias=token_bias(self.logit_bias, "sampling_params.logit_bias"),
-                                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                structured_output=self.structured_output())
         try:
             params.validate()
         except InvalidRequestError as e:

@@ -1,5 +1,5 @@
-"""Logprobs (completions with echo, chat, /generate), penalties and logit_bias, min_tokens and
-n > 1 against a real `minfer serve` (tiny random model, real tokenizer).
+"""Logprobs (completions with echo, chat, /generate), penalties and logit_bias, min_tokens,
+n > 1 and structured output against a real `minfer serve` (tiny random model, real tokenizer).
 
 The reference for logprobs is transformers' own forward pass of the same checkpoint: the server
 reports the raw distribution, log-softmax of the logits (docs/SERVING.md)."""
@@ -170,6 +170,60 @@ def test_n_choices_prefill_the_prompt_once(server, prompt_len):
     computed = server.info()["counters"]["prefill_tokens_computed"] - before
     # The first copy computes the prompt; the others only its last token (it has no logits cached).
     assert computed == prompt_len + 2
+
+
+# Enums, booleans and bounded integers: a random model cannot talk forever inside them.
+SCHEMAS = [
+    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+     "required": ["colour", "ok"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "inner": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                   "kind": {"enum": ["a", "b"]}},
+                  "required": ["n", "kind"], "additionalProperties": False},
+        "flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3}},
+     "required": ["inner", "flags"], "additionalProperties": False},
+    {"type": "object", "properties": {"level": {"enum": [1, 2, 3]}, "empty": {"type": "null"}},
+     "required": ["level", "empty"], "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["enum+bool", "nested", "numbers+null"])
+def test_json_schema_responses_validate(server, schema):
+    import json
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    body = {"messages": [{"role": "user", "content": "Answer in JSON"}], "max_tokens": 80, "n": 3,
+            "temperature": 1.0, "seed": 7, "response_format": fmt}
+    resp = server.post("/v1/chat/completions", body).json()
+    assert len(resp["choices"]) == 3
+    for choice in resp["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    completion = server.post("/v1/completions", {"prompt": "JSON:", "max_tokens": 80, "response_format": fmt,
+                                                 "temperature": 0}).json()["choices"][0]
+    jsonschema.validate(json.loads(completion["text"]), schema)
+
+
+def test_json_object_regex_and_invalid_grammars(server):
+    import re
+
+    out = server.post("/generate", {"text": "Answer:", "sampling_params": {
+        "max_new_tokens": 10, "regex": "(yes|no)-[0-9]{3}"}}).json()
+    assert re.fullmatch("(yes|no)-[0-9]{3}", out["text"]), out["text"]
+    ebnf = 'root ::= "A" ("B" | "C") "."'
+    assert server.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 5, "ebnf": ebnf}}).json()[
+        "text"] in ("AB.", "AC.")
+    bad = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                     "response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "x", "schema": {"type": "nope"}}}}),
+           ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}),
+           ("/generate", {"text": "x", "sampling_params": {"regex": "("}})]
+    for path, body in bad:
+        resp = server.post(path, body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] is not None, resp.text
+    assert server.info()["requests"]["running"] == 0
 
 
 MC_TASK = """task: minfer_mc
