@@ -38,9 +38,9 @@ def make_workload(num_requests: int = 256, input_len: int = 1024, output_len: in
 def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     from minfer import LLM
 
-    if config.model is None:
-        config.model = "qwen3-0.6b"
-    if config.load_format == "auto" and not config.model.endswith(".gguf") and "/" not in config.model:
+    # No model named: the embedded default (real weights). A shipped shape name: dummy weights.
+    if config.model and config.load_format == "auto" and not config.model.endswith(".gguf") \
+            and "/" not in config.model:
         config.load_format = "dummy"
     llm = LLM(**vars(config))
     prompts, params = make_workload(args.num_requests, args.input_len, args.output_len, args.bench_seed)
@@ -73,6 +73,8 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     print(f"throughput {output_tokens / wall:,.0f} output tok/s, wall {wall:.2f} s")
     print(f"prefill {c.prefill_seconds:.2f} s in {c.prefill_steps} steps, decode {c.decode_seconds:.2f} s in "
           f"{c.decode_steps} steps (mean batch {mean_bs:.1f}), preemptions {c.preemptions}")
+    print(f"decode throughput {c.decode_batch_total / max(c.decode_seconds, 1e-9):,.1f} tok/s "
+          f"({1e3 * c.decode_seconds / max(c.decode_steps, 1):.1f} ms per step)")
     print(f"floor on {card.name}: {floor.seconds:.2f} s = {output_tokens / floor.seconds:,.0f} tok/s "
           f"(decode bytes {floor.decode_seconds:.2f} s + prefill FLOPs {floor.prefill_seconds:.2f} s); "
           f"this run is at {100 * floor.seconds / wall:.1f}% of the {card.name} floor")

@@ -1,0 +1,40 @@
+"""`minfer bench offline`: the workload is nano-vllm's exactly, and the command runs on CPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from minfer.bench.floor import H200, workload_floor
+from minfer.bench.offline import make_workload
+
+
+def test_workload_matches_nano_vllm():
+    prompts, params = make_workload()
+    assert len(prompts) == 256
+    assert sum(p.max_tokens for p in params) == 133_966
+    assert all(100 <= len(p) <= 1024 and all(0 <= t <= 10000 for t in p) for p in prompts)
+    assert all(p.temperature == 0.6 and p.ignore_eos for p in params)
+
+
+def test_floor_of_the_standard_workload():
+    """The issue's figure: 3.76 s (35,587 tok/s) for the Qwen3-0.6B shape on one H200."""
+    prompts, params = make_workload()
+    params_count = 596_049_920
+    floor = workload_floor(H200, params_count, 2 * params_count, 114_688, [len(p) for p in prompts],
+                           [p.max_tokens for p in params])
+    assert abs(floor.seconds - 3.76) < 0.05
+    assert floor.seconds / 2 == workload_floor(H200.times(2), params_count, 2 * params_count, 114_688,
+                                               [len(p) for p in prompts], [p.max_tokens for p in params]).seconds
+
+
+def test_bench_runs_on_cpu(tmp_path):
+    from tiny_models import save_tiny_model
+
+    save_tiny_model("qwen3", tmp_path, vocab_size=10001)
+    proc = subprocess.run([sys.executable, "-m", "minfer", "bench", "offline", str(tmp_path), "--num-requests", "6",
+                           "--input-len", "40", "--output-len", "12", "--kv-cache-tokens", "2048"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "throughput" in out and "floor on H200" in out and "decode throughput" in out
