@@ -53,3 +53,13 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def save_tiny_chat_model(path, **overrides):
+    """A tiny random Llama with the default model's tokenizer (and chat template), so that text
+    goes through a real tokenizer while generation stays fast on a CPU."""
+    from minfer.models.loader import load_tokenizer, resolve_model
+
+    save_tiny_model("llama", path, **{"vocab_size": 49152, "max_position_embeddings": 4096, **overrides})
+    load_tokenizer(resolve_model(None)).save_pretrained(path)
+    return str(path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tiny_models import save_tiny_model
+from tiny_models import save_tiny_chat_model, save_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -17,12 +17,7 @@ def tiny_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_chat_llama(tmp_path_factory) -> str:
     """A random 2-layer Llama with the default model's tokenizer, for `minfer serve`."""
-    from minfer.models.loader import load_tokenizer, resolve_model
-
-    path = tmp_path_factory.mktemp("tiny-chat-metrics")
-    save_tiny_model("llama", path, vocab_size=49152, max_position_embeddings=4096)
-    load_tokenizer(resolve_model(None)).save_pretrained(path)
-    return str(path)
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-metrics"))
 
 
 @pytest.fixture(scope="session")

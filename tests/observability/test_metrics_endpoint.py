@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server.server_harness import Server
+from server_harness import Server
 
 from minfer.cli import main
 from minfer.observability.metrics import ServerMetrics, StatsLogger, format_stats_line

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -48,14 +48,14 @@ def pid_alive(pid: int) -> bool:
 class Server:
     """`python -m minfer serve ...` on a free port; its output goes to a log file."""
 
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 180.0):
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 180.0, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 - open while the server runs
         cmd = [sys.executable, "-m", "minfer", "serve", *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+                                     env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
         self.wait_healthy(timeout)
         self.workers = self.info()["workers"]
 
