@@ -185,3 +185,7 @@ async def _watch(server, state, workers: Workers, memory_line: str) -> None:
             server.should_exit = True
             return
         await asyncio.sleep(0.25)
+    # A signal is stopping the server. Requests still open just before uvicorn's graceful period
+    # ends would be cancelled into a bare 500; end them with a 503 error JSON instead.
+    await asyncio.sleep(max(GRACEFUL_SHUTDOWN_S - 0.5, 0.0))
+    state.client.fail_all("the server is shutting down")
