@@ -52,6 +52,7 @@ class EngineConfig:
     seed: int = _opt(0, "seed for requests that do not bring their own")
     trace_requests: str | None = _opt(None, "write a JSONL trace of every request's events to this file")
     log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
+    log_stats_interval: float = _opt(10.0, "seconds between the scheduler's stats lines when serving (0: never)")
 
 
 @dataclass

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 log = logging.getLogger("minfer.stats")
 
 # How often the scheduler logs its stats line while it works (seconds of wall time).
-STATS_LOG_INTERVAL_S = 10.0
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
@@ -103,13 +102,16 @@ class StatsLogger:
     """The periodic line: running, queued, tokens per pass, KV usage, prefix hit rate and
     generation throughput over the last interval."""
 
-    def __init__(self, interval_s: float = STATS_LOG_INTERVAL_S):
+    def __init__(self, interval_s: float):
+        """interval_s: EngineConfig.log_stats_interval (<= 0 turns the line off)."""
         self.interval_s = interval_s
         self._last: dict | None = None
         self._last_time = 0.0
 
     def maybe_log(self, scheduler, now: float | None = None) -> str | None:
         """Log (and return) the line when an interval passed since the last one; None otherwise."""
+        if self.interval_s <= 0:
+            return None
         now = time.monotonic() if now is None else now
         if self._last is not None and now - self._last_time < self.interval_s:
             return None

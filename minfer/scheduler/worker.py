@@ -43,7 +43,7 @@ class SchedulerLoop:
         # With tensor parallelism, request changes reach the other ranks through the leader.
         self.tp_leader = tp_leader
         self.timer = RequestTimer()  # queue and prefill time, sent with each first token
-        self.stats_log = StatsLogger()
+        self.stats_log = StatsLogger(scheduler.config.log_stats_interval)
 
     @property
     def max_request_tokens(self) -> int:
