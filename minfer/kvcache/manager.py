@@ -78,26 +78,29 @@ class KVManager:
         The caller has checked capacity with `reserve_pages`; running short here is a bug.
         """
         ps = self.page_size
-        total_pages = sum(self.pages_needed(r, n) for r, n in zip(reqs, extend_lens))
+        needs = [n if ps == 1 else self.pages_needed(r, n) for r, n in zip(reqs, extend_lens)]
+        total_pages = sum(needs)
         if not self.reserve_pages(total_pages):
             raise OutOfSlotsError(f"{total_pages} pages needed, {self.allocator.num_free_pages} free")
-        rows, positions, slots = [], [], []
+        pages = self.allocator.alloc(total_pages)  # one call; handed out to the requests in order
+        rows, positions = [], []
         for req, n in zip(reqs, extend_lens):
-            start = req.cached_len
-            new_pages = self.allocator.alloc(self.pages_needed(req, n))
-            if ps == 1:
-                req_slots = new_pages
-            else:
+            rows.extend([req.table_idx] * n)
+            positions.extend(range(req.cached_len, req.cached_len + n))
+        if ps == 1:  # a page is a slot
+            slots = pages
+        else:
+            slots, used = [], 0
+            for req, n, need in zip(reqs, extend_lens, needs):
+                start = req.cached_len
                 req_slots = []
                 if start % ps:  # finish the request's partly filled last page first
                     last = int(self.page_table.slots_cpu[req.table_idx, start - 1]) + 1
                     req_slots.extend(range(last, last + min(ps - start % ps, n)))
-                for page in new_pages:
+                for page in pages[used:used + need]:
                     req_slots.extend(range(page * ps, page * ps + ps))
-                del req_slots[n:]
-            rows.extend([req.table_idx] * n)
-            positions.extend(range(start, start + n))
-            slots.extend(req_slots)
+                used += need
+                slots.extend(req_slots[:n])
         self.page_table.write_slots(rows, positions, slots)
         return slots
 
