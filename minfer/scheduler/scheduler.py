@@ -150,8 +150,8 @@ class Scheduler:
         if self.config.schedule_policy != "lpm" or len(self.waiting) < 2:
             return
         cache = self.kv.prefix_cache
-        resumed = [r for r in self.waiting if r.output_len]
-        fresh = sorted((r for r in self.waiting if not r.output_len),
+        resumed = [r for r in self.waiting if r.preempted]
+        fresh = sorted((r for r in self.waiting if not r.preempted),
                        key=lambda r: -cache.prefix_length(r.token_ids[:r.device_len - 1]))
         self.waiting = deque(resumed + fresh)
 
