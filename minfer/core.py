@@ -102,9 +102,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     @property
     def has_penalties(self) -> bool:
-        """Whether the logits need adjusting before sampling (penalties or biases)."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
-                    or self.logit_bias)
+        """Whether sampling must look at the tokens seen so far (repetition/frequency/presence)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1)
 
     def _validate_core(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

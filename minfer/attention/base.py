@@ -32,7 +32,6 @@ class AttentionMetadata:
     page_table: torch.Tensor  # [rows, max_len] int32 slots
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
-    max_seq_len: int
     max_extend_len: int
 
     @property
@@ -71,6 +70,5 @@ def build_metadata(table_idx: list[int], prefix_lens: list[int], extend_lens: li
         page_table=page_table,
         prefix_lens_cpu=prefix_lens,
         extend_lens_cpu=extend_lens,
-        max_seq_len=max(seq_lens),
         max_extend_len=max(extend_lens),
     )

@@ -54,8 +54,7 @@ class CudaGraphRunner:
         meta = AttentionMetadata(
             is_decode=True, table_idx=self.meta[0, :bs], prefix_lens=self.zeros[:bs], seq_lens=self.meta[1, :bs],
             cu_extend_lens=self.cu[:bs + 1], page_table=self.engine.page_table.slots,
-            prefix_lens_cpu=[0] * bs, extend_lens_cpu=[1] * bs, max_seq_len=self.engine.max_model_len,
-            max_extend_len=1)
+            prefix_lens_cpu=[0] * bs, extend_lens_cpu=[1] * bs, max_extend_len=1)
         return ForwardContext(meta, self.engine.kv_pool, self.engine.backend, self.out_loc[:bs])
 
     def _run(self, bs: int) -> torch.Tensor:

@@ -44,8 +44,7 @@ class LogitAdjustments:
 def build_adjustments(reqs: list[Req], page_table: PageTable, vocab_size: int,
                       device: torch.device) -> LogitAdjustments | None:
     """The adjustments for sampling one token of each request (rows in `reqs` order), or None."""
-    penalised = [i for i, r in enumerate(reqs) if r.params.frequency_penalty or r.params.presence_penalty
-                 or r.params.repetition_penalty != 1]
+    penalised = [i for i, r in enumerate(reqs) if r.params.has_penalties]
     bias_rows, bias_tokens, bias_values = [], [], []
     ban_rows, ban_tokens = [], []
     for i, r in enumerate(reqs):

@@ -7,8 +7,6 @@ The attention layers write K/V there during the pass; the backend reads through 
 
 from __future__ import annotations
 
-import torch
-
 from minfer.core import Req
 from minfer.kvcache.allocator import OutOfSlotsError, PageAllocator
 from minfer.kvcache.page_table import PageTable
