@@ -17,6 +17,7 @@ bench-profile  `minfer bench offline MODEL --tp 2` in this process, then torch.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -118,11 +119,68 @@ def allreduce(out_dir: str) -> None:
     print(json.dumps(res, indent=1))
 
 
-def parity(out_dir: str, device: str) -> None:
+@contextlib.contextmanager
+def watchdog(stage: str, limit_s: float):
+    """Say when `stage` starts; if it runs past `limit_s`, print where every thread of this
+    process and of its child ranks is (faulthandler on SIGABRT, enabled through
+    PYTHONFAULTHANDLER in the environment the ranks inherit) and exit."""
+    import faulthandler
+    import signal
+    import subprocess
+    import threading
+
+    print(f"[{time.strftime('%H:%M:%S')}] {stage}", flush=True)
+    done = threading.Event()
+
+    def expire():
+        if done.wait(limit_s):
+            return
+        print(f"==== {stage}: still running after {limit_s:.0f} s; stacks follow", flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+        for pid in children:
+            os.kill(int(pid), signal.SIGABRT)
+        time.sleep(3)
+        os._exit(3)
+
+    threading.Thread(target=expire, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _generate_both(path, prompts, params, device, dtype, tp, graphs, rows):
+    """Tokens of every prompt under each SamplingParams, from a fresh LLM; also the number of
+    steps (token-checked across ranks when tp > 1) and whether graphs could stay on."""
     import torch
+
+    from minfer import LLM
+
+    options = {"device": device, "dtype": dtype, "tp": tp, "kv_cache_tokens": 8192,
+               "chunked_prefill_size": 64, "log_level": "warning"}
+    try:
+        llm = LLM(path, cuda_graph_max_bs=graphs, **options)
+    except Exception as e:  # noqa: BLE001 - say so, and go on without graphs
+        rows.append(f"tp={tp} with CUDA graphs failed: {type(e).__name__}: {e}; graphs off from here")
+        print(rows[-1], flush=True)
+        graphs = 0
+        llm = LLM(path, cuda_graph_max_bs=graphs, **options)
+    tokens = [o.token_ids for p in params for o in llm.generate(prompts, p, use_tqdm=False)]
+    steps = llm.tp_leader.steps
+    llm.shutdown()
+    del llm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return tokens, steps, graphs
+
+
+def parity(out_dir: str, device: str) -> None:
+    os.environ["PYTHONFAULTHANDLER"] = "1"  # follower ranks print their stacks on SIGABRT
+    os.makedirs(out_dir, exist_ok=True)
     from tiny_models import ARCHS, save_tiny_model
 
-    from minfer import LLM, SamplingParams
+    from minfer import SamplingParams
 
     prompts = [[(i * 7 + j * 13) % 250 for j in range(n)] for i, n in enumerate([5, 70, 17, 1, 33, 300, 2, 129])]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -137,22 +195,9 @@ def parity(out_dir: str, device: str) -> None:
             outs = {}
             for tp in (1, 2):
                 start = time.time()
-                options = {"device": device, "dtype": dtype, "tp": tp, "kv_cache_tokens": 8192,
-                           "chunked_prefill_size": 64, "log_level": "warning"}
-                try:
-                    llm = LLM(path, cuda_graph_max_bs=graphs, **options)
-                except Exception as e:  # noqa: BLE001 - say so, and go on without graphs
-                    rows.append(f"tp={tp} with CUDA graphs failed: {type(e).__name__}: {e}; graphs off from here")
-                    print(rows[-1], flush=True)
-                    graphs = 0
-                    llm = LLM(path, cuda_graph_max_bs=graphs, **options)
-                outs[tp] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)
-                            + llm.generate(prompts, sampled, use_tqdm=False)]
-                steps = llm.tp_leader.steps
-                llm.shutdown()
-                del llm
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+                with watchdog(f"{arch} kv_heads={kv_heads} {dtype} tp={tp}: start, generate, shut down", 150):
+                    outs[tp], steps, graphs = _generate_both(path, prompts, (greedy, sampled), device, dtype, tp,
+                                                             graphs, rows)
                 seconds = time.time() - start
             same = sum(a == b for a, b in zip(outs[1], outs[2]))
             rows.append(f"parity {arch:8s} kv_heads={kv_heads} {dtype:9s} graphs={graphs} tp2 vs tp1: {same}/{len(outs[1])} sequences "
