@@ -157,10 +157,10 @@ def join_tp_group(config, rank: int, store: dist.TCPStore, device_type: str,
 def leave_tp_group(tp: TPGroup) -> None:
     """Drop this process's groups, so that a later TP job in the same process can start.
 
-    NCCL communicators are aborted, not destroyed: on the two-H200 host, tearing down after a
-    run with graph-captured collectives did not finish within 50 s (cause not isolated;
-    destroy flushes outstanding work), while ncclCommAbort waits for nothing and no peer.
-    Gloo groups are simply destroyed."""
+    The caller first destroys every CUDA graph that captured a collective of the group: NCCL
+    keeps such a communicator alive for the graphs, and both its destroy and its abort waited
+    forever for them on the two-H200 host. NCCL communicators are then aborted, not destroyed
+    (abort does not wait for peers, which may already be gone). Gloo groups are destroyed."""
     if not dist.is_initialized():
         return
     with contextlib.suppress(Exception):  # a peer already gone must not stop the cleanup

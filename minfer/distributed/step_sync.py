@@ -97,12 +97,14 @@ class StepLeader:
         self.failure: str | None = None
         self.in_step = False
         self.stopped = False
+        self.engine: Engine | None = None  # rank 0's engine, whose CUDA graphs go before the group
         if tp.size > 1 and ranks is not None:
             threading.Thread(target=self._watch_ranks, name="minfer-tp-watchdog", daemon=True).start()
 
     # -- start-up ------------------------------------------------------------------------------
     def agree(self, engine: Engine) -> None:
         """Send rank 0's engine facts (and its EOS ids: only rank 0 loads the tokenizer)."""
+        self.engine = engine
         if self.tp.size > 1:
             facts = dict(engine_facts(engine), eos_token_ids=sorted(engine.eos_token_ids))
             self._guard(lambda: self.tp.broadcast_bytes(_encoder.encode(facts)))
@@ -196,6 +198,10 @@ class StepLeader:
                 graceful = False
         if self.ranks is not None:
             self.ranks.stop(wait_s=10.0 if graceful else 0.0)
+        if self.engine is not None:
+            # NCCL's communicator teardown waits for the graphs that captured its collectives
+            # to be destroyed: with them alive, leave_tp_group never returned (2 x H200).
+            self.engine.release_cuda_graphs()
         leave_tp_group(self.tp)
 
 

@@ -81,6 +81,14 @@ class CudaGraphRunner:
         log.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s using %.2f GiB", len(self.graphs),
                  self.batch_sizes[0], self.max_bs, self.capture_seconds, self.memory_bytes / (1 << 30))
 
+    def release(self) -> None:
+        """Free every captured graph. Graphs holding NCCL collectives keep their communicator
+        busy: NCCL's teardown waits until they are gone (see distributed/parallel.py)."""
+        torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_bs
 

@@ -163,6 +163,12 @@ class Engine:
             self.memory.graph_measured_bytes = self.graphs.memory_bytes
         log.info("%s", self.memory.describe(self.max_model_len))
 
+    def release_cuda_graphs(self) -> None:
+        """Drop the decode graphs (later decode steps run eagerly); before a TP group is left."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     # -- one forward pass ----------------------------------------------------------------------
     def forward_batch(self, batch: Batch) -> ForwardResult:
         """Run the model over the batch's new tokens and sample where a request completes its
