@@ -41,9 +41,9 @@ from minfer.kernels import attention_decode, attention_extend  # noqa: E402
 from minfer.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from minfer.kernels.attention_decode import decode_attention, decode_attention_reference  # noqa: E402
 from minfer.kernels.attention_extend import extend_attention, extend_attention_reference  # noqa: E402
-from minfer.kernels.kv_store import store_kv, store_kv_reference  # noqa: E402
 from minfer.kernels.norm import rmsnorm, rmsnorm_reference  # noqa: E402
-from minfer.kernels.rope import apply_rope_inplace, apply_rope_reference  # noqa: E402
+from minfer.kernels.rope_store import rope_store  # noqa: E402
+from minfer.layers.rotary import RotaryEmbedding  # noqa: E402
 
 COPY_CEILING_BYTES_PER_S = 4.26e12  # H200 device-to-device copy, measured (shared/gpu/README.md)
 DTYPE = torch.bfloat16
@@ -166,35 +166,49 @@ def fused_cases(model: str, tokens: int) -> None:
     k = k.view(tokens, num_kv_heads, head_dim)
     v = v.view(tokens, num_kv_heads, head_dim)
     positions = torch.randint(0, TABLE_WIDTH, (tokens,), device=DEVICE)
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim))
-    freqs = torch.arange(TABLE_WIDTH, device=DEVICE).float()[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    ref_q, ref_k = apply_rope_reference(q, k, positions, cos_sin)
-    q2, k2 = q.clone(), k.clone()
-    apply_rope_inplace(q2, k2, positions, cos_sin)
-    # one bf16 unit: see the rope test for why the GPU may round differently from torch
-    err = max(check(f"rope q {model} T={tokens}", q2, ref_q, 4e-2, 2 ** -7),
-              check(f"rope k {model} T={tokens}", k2, ref_k, 4e-2, 2 ** -7))
-    differ = ((q2 != ref_q).float().mean().item() + (k2 != ref_k).float().mean().item()) / 2
-    torch_us = bench_us(lambda: apply_rope_reference(q, k, positions, cos_sin))
-    nbytes = 2 * (q.numel() + k.numel()) * item + tokens * head_dim * 4
-    record("rope", model, f"T={tokens} {num_heads}/{num_kv_heads}x{head_dim}",
-           lambda: apply_rope_inplace(q, k, positions, cos_sin), nbytes, err,
-           f"torch {torch_us:.1f} us; {100 * differ:.0f}% not bitwise")
-
+    rotary = RotaryEmbedding(head_dim, TABLE_WIDTH, {"rope_theta": 1e6, "rope_type": "default"}).to(DEVICE)
+    q_weight, k_weight = (1 + torch.randn((2, head_dim), device=DEVICE) / 4).to(DTYPE)
     slots = 4 * tokens + 64
     k_pool = torch.zeros((slots, num_kv_heads, head_dim), device=DEVICE, dtype=DTYPE)
     v_pool = torch.zeros_like(k_pool)
-    ref_k_pool, ref_v_pool = k_pool.clone(), v_pool.clone()
-    out_loc = torch.randperm(slots, device=DEVICE)[:tokens].to(torch.int32)
-    store_kv(k_pool, v_pool, k, v, out_loc)
-    store_kv_reference(ref_k_pool, ref_v_pool, k, v, out_loc)
-    err = max(check(f"store_kv k {model} T={tokens}", k_pool, ref_k_pool, 0, 0),
-              check(f"store_kv v {model} T={tokens}", v_pool, ref_v_pool, 0, 0))
-    torch_us = bench_us(lambda: store_kv_reference(k_pool, v_pool, k, v, out_loc))
-    record("store_kv", model, f"T={tokens} {num_kv_heads}x{head_dim}",
-           lambda: store_kv(k_pool, v_pool, k, v, out_loc), 4 * k.numel() * item, err,
-           f"torch {torch_us:.1f} us")
+    out_loc = torch.randperm(slots, device=DEVICE)[:tokens]
+
+    def unfused():  # what the layers do without the kernel (torch ops; Triton RMSNorm on CUDA)
+        q_ref, k_ref = rotary(positions, rmsnorm_reference(q, q_weight, 1e-6), rmsnorm_reference(k, k_weight, 1e-6))
+        ref_k_pool, ref_v_pool = k_pool.clone(), v_pool.clone()
+        ref_k_pool[out_loc], ref_v_pool[out_loc] = k_ref, v
+        return q_ref, ref_k_pool, ref_v_pool
+
+    ref_q, ref_k_pool, ref_v_pool = unfused()
+    q2 = q.clone()
+    rope_store(q2, k, v, positions, rotary.cos_sin, k_pool, v_pool, out_loc, q_weight, k_weight, 1e-6)
+    # one bf16 unit: see tests/kernels/test_kernel_fused.py for why the GPU may round differently
+    err = max(check(f"rope_store q {model} T={tokens}", q2, ref_q, 4e-2, 2 ** -7),
+              check(f"rope_store k {model} T={tokens}", k_pool, ref_k_pool, 4e-2, 2 ** -7),
+              check(f"rope_store v {model} T={tokens}", v_pool, ref_v_pool, 0, 0))
+    torch_us = bench_us(unfused)
+    nbytes = 2 * (q.numel() + 2 * k.numel()) * item + tokens * head_dim * 4  # q in+out, k and v in+out, cos/sin
+    record("rope_store", model, f"T={tokens} {num_heads}/{num_kv_heads}x{head_dim} +qk-norm",
+           lambda: rope_store(q2, k, v, positions, rotary.cos_sin, k_pool, v_pool, out_loc, q_weight, k_weight,
+                              1e-6), nbytes, err, f"torch {torch_us:.1f} us")
+
+
+def sampling_case(batch: int, vocab: int = 151936) -> None:
+    """Gumbel-max sampling of a [batch, vocab] fp32 logits block (Qwen3's vocabulary)."""
+    from minfer.kernels.sampling import gumbel_argmax
+
+    logits = torch.randn((batch, vocab), device=DEVICE) * 3
+    temperature = torch.full((batch,), 0.6, device=DEVICE)
+    temperature[::4] = 0.0  # some greedy rows
+    seeds = torch.arange(batch, device=DEVICE)
+    positions = torch.full((batch,), 100, device=DEVICE)
+    got = gumbel_argmax(logits, temperature, seeds, positions)
+    greedy = temperature == 0
+    mismatched = (got[greedy] != logits[greedy].argmax(-1)).sum().item()
+    if mismatched:
+        failures.append(f"gumbel_argmax B={batch}: {mismatched} greedy rows differ from argmax")
+    record("gumbel_argmax", "vocab 151936", f"B={batch} T=0.6 (1 in 4 rows greedy)",
+           lambda: gumbel_argmax(logits, temperature, seeds, positions), logits.numel() * 4, float(mismatched))
 
 
 def cuda_graph_case() -> None:
@@ -311,6 +325,8 @@ def main() -> None:
     for model in MODELS:
         for tokens in (1, 64, 256, 4096):
             fused_cases(model, tokens)
+    for batch in (1, 64, 256):
+        sampling_case(batch)
 
     if opts.sweep:
         sweep()

@@ -26,19 +26,30 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+# Each program scans CHUNK vocabulary entries of one row, BLOCK at a time. One program per
+# row (the first version) left most of an H200 idle: 256 rows x 151,936 entries took 183 us
+# against 36 us of memory traffic. With chunks a batch of 256 is ~9,700 programs and a batch of
+# one still spreads over 38 SMs.
+CHUNK = 4096
+BLOCK = 1024
+
+
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride_row, temperature_ptr, seeds_ptr, positions_ptr, out_ptr,
-                          vocab_size, BLOCK: tl.constexpr):
+def _gumbel_argmax_chunk_kernel(logits_ptr, stride_row, temperature_ptr, seeds_ptr, positions_ptr,
+                                best_val_ptr, best_idx_ptr, vocab_size, num_chunks,
+                                CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 1, grid (row, chunk): the best perturbed logit of one chunk of one row."""
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     seed = tl.load(seeds_ptr + row).to(tl.int64)
     position = tl.load(positions_ptr + row).to(tl.int64)
     row_key = _mix32((seed * 0x9E3779B1 + position * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF)
     inv_t = 1.0 / tl.where(temperature > 0, temperature, 1.0)
     best_val = float("-inf")
-    best_idx = 0
-    for start in range(0, vocab_size, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    best_idx = chunk * CHUNK
+    for offset in range(0, CHUNK, BLOCK):
+        cols = chunk * CHUNK + offset + tl.arange(0, BLOCK)
         mask = cols < vocab_size
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask, other=float("-inf"))
         if temperature > 0:
@@ -47,10 +58,21 @@ def _gumbel_argmax_kernel(logits_ptr, stride_row, temperature_ptr, seeds_ptr, po
             x = x * inv_t - tl.log(-tl.log(u))
             x = tl.where(mask, x, float("-inf"))
         block_max = tl.max(x, 0)
-        if block_max > best_val:
+        if block_max > best_val:  # strictly greater: ties go to the lowest index, as torch.argmax
             best_val = block_max
-            best_idx = start + tl.argmax(x, 0)
-    tl.store(out_ptr + row, best_idx.to(tl.int64))
+            best_idx = chunk * CHUNK + offset + tl.argmax(x, 0)
+    tl.store(best_val_ptr + row * num_chunks + chunk, best_val)
+    tl.store(best_idx_ptr + row * num_chunks + chunk, best_idx)
+
+
+@triton.jit
+def _pick_best_chunk_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+    """Pass 2, grid (row,): the token of the best chunk (the first of equal ones)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_C)
+    vals = tl.load(best_val_ptr + row * num_chunks + offs, mask=offs < num_chunks, other=float("-inf"))
+    best = tl.argmax(vals, 0)
+    tl.store(out_ptr + row, tl.load(best_idx_ptr + row * num_chunks + best).to(tl.int64))
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
@@ -59,6 +81,12 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch:
-        _gumbel_argmax_kernel[(batch,)](logits, logits.stride(0), temperature, seeds, positions, out, vocab,
-                                        BLOCK=2048, num_warps=8)
+        num_chunks = triton.cdiv(vocab, CHUNK)
+        best_val = torch.empty((batch, num_chunks), dtype=torch.float32, device=logits.device)
+        best_idx = torch.empty((batch, num_chunks), dtype=torch.int32, device=logits.device)
+        _gumbel_argmax_chunk_kernel[(batch, num_chunks)](
+            logits, logits.stride(0), temperature, seeds, positions, best_val, best_idx, vocab, num_chunks,
+            CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
+        _pick_best_chunk_kernel[(batch,)](best_val, best_idx, out, num_chunks,
+                                          BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1)
     return out

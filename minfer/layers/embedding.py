@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,8 +38,31 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits = hidden @ W.T, each rank computing its vocabulary slice, gathered at the end."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [T, vocab], written into `out` when given."""
+        if self.tp.size == 1 and _mm_writes_fp32(hidden):
+            # The GEMM accumulates in fp32 anyway; writing fp32 directly saves a pass that rounds
+            # the logits to bf16 and another that widens them (0.1 ms at B=256 on an H200).
+            if out is None:
+                out = torch.empty((hidden.shape[0], self.vocab_size), dtype=torch.float32, device=hidden.device)
+            return torch.mm(hidden, self.weight.t(), out_dtype=torch.float32, out=out)
         logits = F.linear(hidden, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)
-        return logits[..., :self.vocab_size]
+        logits = logits[..., :self.vocab_size]
+        return logits.float() if out is None else out.copy_(logits)
+
+
+@functools.cache
+def _mm_supports_fp32_out(device: torch.device) -> bool:
+    """Whether torch.mm takes out_dtype=float32 for bf16 inputs here (CUDA builds of torch >= 2.8)."""
+    try:
+        a = torch.zeros((2, 8), dtype=torch.bfloat16, device=device)
+        torch.mm(a, a.t(), out_dtype=torch.float32)
+        return True
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _mm_writes_fp32(hidden: torch.Tensor) -> bool:
+    return hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and _mm_supports_fp32_out(hidden.device)

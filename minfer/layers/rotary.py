@@ -56,11 +56,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; returns both rotated (in place on CUDA)."""
-        if q.is_cuda:
-            from minfer.kernels.rope import apply_rope_inplace
-
-            return apply_rope_inplace(q, k, positions, self.cos_sin)
+        """q: [T, Hq, D], k: [T, Hk, D]; returns both rotated (new tensors). On CUDA the model
+        uses minfer/kernels/rope_store.py instead, which rounds exactly as this does."""
         cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         cos = torch.cat([cos, cos], dim=-1)
         sin = torch.cat([sin, sin], dim=-1)

@@ -16,6 +16,7 @@ from torch import nn
 
 from minfer.attention.base import ForwardContext
 from minfer.distributed.parallel import SINGLE, TPGroup
+from minfer.kernels.rope_store import rope_store
 from minfer.layers.activation import silu_and_mul
 from minfer.layers.attention import PagedAttention
 from minfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -48,7 +49,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary  # one cos/sin table shared by all layers
-        self.attn = PagedAttention(layer_id, self.num_heads, self.num_kv_heads, d)
+        self.layer_id = layer_id
+        self.attn = PagedAttention(layer_id, self.num_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -56,10 +58,16 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        if q.is_cuda:  # the same three steps as one kernel (four launches fewer per layer)
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+            rope_store(q, k, v, positions, self.rotary.cos_sin, ctx.kv_pool.k[self.layer_id],
+                       ctx.kv_pool.v[self.layer_id], ctx.out_loc, *norms)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
+            ctx.kv_pool.store(self.layer_id, k, v, ctx.out_loc)  # the write step of the KV life cycle
+        return self.o_proj(self.attn(q, ctx))
 
 
 class LlamaMLP(nn.Module):
@@ -128,10 +136,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits; into `out` when given (CUDA graphs share one static buffer)."""
-        logits = self.lm_head.compute_logits(hidden)
-        if out is None:
-            return logits.float()
-        return out.copy_(logits)
+        return self.lm_head.compute_logits(hidden, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint tensors by Hugging Face name, sharding each as it arrives."""

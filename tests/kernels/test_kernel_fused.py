@@ -1,7 +1,9 @@
-"""RMSNorm, SiLU-and-mul, RoPE and KV store kernels against torch references of the layers.
+"""RMSNorm, SiLU-and-mul and the fused norm + RoPE + KV-store kernel against the torch layers.
 
-The layers themselves call these kernels on CUDA, so the kernels are compared with the
-`*_reference` functions, and those with the layers on CPU, where the layers run plain torch.
+The layers themselves call the RMSNorm and SiLU kernels on CUDA, so those kernels are compared
+with the `*_reference` functions, and those with the layers on CPU, where the layers run plain
+torch. The fused rope_store kernel replaces RMSNorm -> RotaryEmbedding -> KVPool.store on CUDA;
+it is compared with those layers run on CPU copies of its inputs.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import torch
 from kernel_cases import tolerance
 
 from minfer.kernels.activation import silu_and_mul, silu_and_mul_reference
-from minfer.kernels.kv_store import store_kv
 from minfer.kernels.norm import rmsnorm, rmsnorm_reference
-from minfer.kernels.rope import apply_rope_inplace, apply_rope_reference
+from minfer.kernels.rope_store import rope_store
 from minfer.layers.activation import silu_and_mul as layer_silu_and_mul
 from minfer.layers.norm import RMSNorm
 from minfer.layers.rotary import RotaryEmbedding
+from minfer.kvcache.pool import KVPool
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -58,11 +60,6 @@ def test_references_match_the_layers_on_cpu():
         gate_up = _randn((3, 2 * 96), dtype, cpu, 4)
         want = layer_silu_and_mul(gate_up)
         torch.testing.assert_close(silu_and_mul_reference(gate_up), want, atol=0, rtol=0)
-        rotary = RotaryEmbedding(64, 4096, {"rope_theta": 1_000_000.0, "rope_type": "default"})
-        q, k, _ = _qkv_views(6, 4, 2, 64, dtype, cpu, 5)
-        positions = torch.tensor([0, 1, 17, 900, 4095, 3])
-        for got, want in zip(apply_rope_reference(q, k, positions, rotary.cos_sin), rotary(positions, q, k)):
-            torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -98,39 +95,68 @@ def test_silu_and_mul_matches_reference(dtype, width, device):
     torch.testing.assert_close(out, silu_and_mul_reference(x), **tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2)])
-def test_rope_matches_reference(dtype, head_dim, num_heads, num_kv_heads, device):
-    rotary = RotaryEmbedding(head_dim, 4096, {"rope_theta": 1_000_000.0, "rope_type": "default"}).to(device)
-    q, k, _ = _qkv_views(6, num_heads, num_kv_heads, head_dim, dtype, device, 7)
-    positions = torch.tensor([0, 1, 17, 900, 4095, 3], device=device)
-    expected_q, expected_k = apply_rope_reference(q, k, positions, rotary.cos_sin)
-    apply_rope_inplace(q, k, positions, rotary.cos_sin)
-    # The kernel rounds where the torch ops round, yet on an H200 (triton 3.6) about a fifth of
-    # bf16 results land one unit in the last place away from torch's, and fp32 ones differ by
-    # fused multiply-adds: compare to within one unit.
-    tol = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=5e-3, rtol=2 ** -10),
-           torch.bfloat16: dict(atol=4e-2, rtol=2 ** -7)}[dtype]
-    torch.testing.assert_close(q, expected_q, **tol)
-    torch.testing.assert_close(k, expected_k, **tol)
+# RoPE rounds where the torch ops round, yet on an H200 (triton 3.6) about a fifth of bf16
+# results land one unit in the last place away from torch's, and fp32 ones differ by fused
+# multiply-adds: compare to within one unit.
+ONE_UNIT = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=5e-3, rtol=2 ** -10),
+            torch.bfloat16: dict(atol=4e-2, rtol=2 ** -7)}
+
+
+def _check_rope_store(tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype, device, max_positions=4096):
+    """rope_store on `device` against RMSNorm -> RotaryEmbedding -> KVPool.store on CPU copies."""
+    cpu = torch.device("cpu")
+    rotary = RotaryEmbedding(head_dim, max_positions, {"rope_theta": 1_000_000.0, "rope_type": "default"})
+    q, k, v = _qkv_views(tokens, num_heads, num_kv_heads, head_dim, dtype, device, 7)
+    gen = torch.Generator().manual_seed(11)
+    positions = torch.randint(0, max_positions, (tokens,), generator=gen)
+    slots = tokens + 9
+    pool = KVPool(1, slots, num_kv_heads, head_dim, 1, dtype, cpu)
+    pool.k[0].copy_(_randn(pool.k[0].shape, dtype, cpu, 9))
+    pool.v[0].copy_(_randn(pool.v[0].shape, dtype, cpu, 10))
+    out_loc = torch.randperm(slots, generator=gen)[:tokens]
+    k_pool, v_pool = pool.k[0].to(device), pool.v[0].to(device)
+    norms = ()
+    q_ref, k_ref = q.cpu(), k.cpu()
+    if qk_norm:
+        q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(dtype=dtype), RMSNorm(head_dim, 1e-6).to(dtype=dtype)
+        # Trained norm weights sit near 1; unit-variance ones would make q/k values of ~10,
+        # where one bf16 unit in the last place (0.06) exceeds the tolerance below.
+        q_norm.weight.copy_(1 + _randn((head_dim,), dtype, cpu, 12) / 4)
+        k_norm.weight.copy_(1 + _randn((head_dim,), dtype, cpu, 13) / 4)
+        q_ref, k_ref = q_norm(q_ref), k_norm(k_ref)
+        norms = (q_norm.weight.to(device), k_norm.weight.to(device), 1e-6)
+    q_ref, k_ref = rotary(positions, q_ref, k_ref)
+    pool.store(0, k_ref, v.cpu(), out_loc)
+
+    rope_store(q, k, v, positions.to(device), rotary.cos_sin.to(device), k_pool, v_pool,
+               out_loc.to(torch.int32).to(device), *norms)
+    tol = ONE_UNIT[dtype]
+    if qk_norm and dtype == torch.bfloat16 and not torch.cuda.is_available():
+        # Triton's interpreter truncates each of the five bf16 roundings on the way (norm,
+        # weight, two products, sum) instead of rounding to nearest: up to four units apart.
+        tol = dict(atol=8e-2, rtol=2 ** -5)
+    torch.testing.assert_close(q.cpu(), q_ref, **tol)
+    torch.testing.assert_close(k_pool.cpu(), pool.k[0], **tol)
+    torch.testing.assert_close(v_pool.cpu(), pool.v[0], atol=0, rtol=0)  # a copy: exact
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_store_kv_writes_only_out_loc(dtype, head_dim, device):
-    num_kv_heads, tokens, slots = 2, 9, 40
-    _, k, v = _qkv_views(tokens, 4, num_kv_heads, head_dim, dtype, device, 8)
-    k_pool = _randn((slots, num_kv_heads, head_dim), dtype, device, 9)
-    v_pool = _randn((slots, num_kv_heads, head_dim), dtype, device, 10)
-    expected_k, expected_v = k_pool.clone(), v_pool.clone()
-    out_loc = torch.randperm(slots, generator=torch.Generator().manual_seed(11))[:tokens]
-    out_loc = out_loc.to(torch.int32).to(device)
-    expected_k[out_loc.long()] = k
-    expected_v[out_loc.long()] = v
-    store_kv(k_pool, v_pool, k, v, out_loc)
-    torch.testing.assert_close(k_pool, expected_k, atol=0, rtol=0)
-    torch.testing.assert_close(v_pool, expected_v, atol=0, rtol=0)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 2)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_store_matches_the_layers(dtype, head_dim, num_heads, num_kv_heads, qk_norm, device):
+    _check_rope_store(6, num_heads, num_kv_heads, head_dim, qk_norm, dtype, device)
+
+
+def test_rope_store_rejects_mismatched_inputs(device):
+    q, k, v = _qkv_views(2, 4, 2, 64, torch.float32, device, 1)
+    pool = torch.zeros((4, 2, 64), device=device)
+    cos_sin = torch.zeros((8, 64), device=device)
+    positions = out_loc = torch.zeros(2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="pools"):
+        rope_store(q, k, v, positions, cos_sin, pool[:, :1], pool, out_loc)
+    with pytest.raises(ValueError, match="both q and k norm"):
+        rope_store(q, k, v, positions, cos_sin, pool, pool, out_loc, torch.ones(64, device=device))
 
 
 @pytest.mark.gpu
@@ -144,10 +170,5 @@ def test_fused_kernels_real_shapes_gpu():
     torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
     gate_up = _randn((256, 2 * 14336), dtype, device, 15)
     torch.testing.assert_close(silu_and_mul(gate_up), silu_and_mul_reference(gate_up), **tolerance(dtype))
-    rotary = RotaryEmbedding(128, 40960, {"rope_theta": 500000.0, "rope_type": "default"}).to(device)
-    q, k, v = _qkv_views(256, 32, 8, 128, dtype, device, 16)
-    positions = torch.randint(0, 40960, (256,), device=device)
-    expected_q, expected_k = apply_rope_reference(q, k, positions, rotary.cos_sin)
-    apply_rope_inplace(q, k, positions, rotary.cos_sin)
-    torch.testing.assert_close(q, expected_q, atol=4e-2, rtol=2 ** -7)
-    torch.testing.assert_close(k, expected_k, atol=4e-2, rtol=2 ** -7)
+    _check_rope_store(256, 32, 8, 128, False, dtype, device, max_positions=40960)  # Llama-3.1-8B heads
+    _check_rope_store(256, 16, 8, 128, True, dtype, device, max_positions=40960)  # Qwen3-0.6B heads

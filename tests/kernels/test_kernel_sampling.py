@@ -6,7 +6,7 @@ import torch
 
 from minfer.core import SamplingParams
 from minfer.engine.sampler import SamplingTensors, sample
-from minfer.kernels.sampling import gumbel_argmax
+from minfer.kernels.sampling import CHUNK, gumbel_argmax
 
 
 def test_gumbel_argmax_matches_torch_sampler():
@@ -20,3 +20,19 @@ def test_gumbel_argmax_matches_torch_sampler():
         expected = sample(logits, st)
         got = gumbel_argmax(logits, st.temperature, st.seeds, st.positions)
         assert got.tolist() == expected.tolist()
+
+
+def test_gumbel_argmax_across_chunks_and_ties():
+    """A vocabulary of several chunks (the last one partial); greedy rows whose maximum appears
+    in two chunks take the lower index, as torch.argmax does."""
+    torch.manual_seed(1)
+    batch, vocab = 4, 2 * CHUNK + 123
+    logits = torch.randn(batch, vocab)
+    logits[0, [5, CHUNK + 7]] = 50.0  # tie across chunks
+    logits[1, [CHUNK + 3, 2 * CHUNK + 100]] = 50.0
+    logits[2, vocab - 1] = 50.0  # the very last entry of the partial chunk
+    params = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(temperature=0.8)]
+    st = SamplingTensors.build(params, [1, 2, 3, 4], [9] * batch, vocab, torch.device("cpu"))
+    got = gumbel_argmax(logits, st.temperature, st.seeds, st.positions)
+    assert got.tolist()[:3] == [5, CHUNK + 3, vocab - 1]
+    assert got.tolist() == sample(logits, st).tolist()
