@@ -10,6 +10,7 @@ so they never touch a real request's cache.
 from __future__ import annotations
 
 import logging
+import gc
 import time
 
 import torch
@@ -67,14 +68,24 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory
-                self._run(bs)  # warm-up outside the graph: compiles kernels, settles allocations
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._run(bs)
-                self.graphs[bs] = graph
+        # The garbage collector must not run during a capture: collecting an earlier engine's
+        # graphs calls cudaGraphExecDestroy, which is illegal while a stream captures and voids
+        # the capture (seen on an H200 when one process built several engines in turn).
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.inference_mode():
+                for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory
+                    self._run(bs)  # warm-up outside the graph: compiles kernels, settles allocations
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._run(bs)
+                    self.graphs[bs] = graph
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
