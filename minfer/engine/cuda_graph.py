@@ -9,8 +9,8 @@ so they never touch a real request's cache.
 
 from __future__ import annotations
 
-import logging
 import gc
+import logging
 import time
 
 import torch
