@@ -51,8 +51,11 @@ def bench(model: str, rows: list[str], extra: list[str], kind: str = "offline") 
     rows.append(f"bench {model} {' '.join(extra)} ({time.time() - start:.0f} s incl. load): " + " | ".join(lines))
 
 
-def profile(model: str, rows: list[str]) -> None:
-    """Where a step's time goes: torch.profiler over prefill steps and steady decode steps."""
+def profile(model: str, rows: list[str], decode_batches: list[int]) -> None:
+    """Where a step's time goes: torch.profiler over prefill steps, then over steady decode
+    steps at each batch size of `decode_batches` (the workload's first N requests)."""
+    import gc
+
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -63,26 +66,33 @@ def profile(model: str, rows: list[str]) -> None:
     llm = LLM(model, load_format="dummy")
     prompts, params = make_workload()
     sched = llm.scheduler
-    for p, sp in zip(prompts, params):
-        sched.add_request([t % llm.engine.vocab_size for t in p], sp)
-    for phase, steps in (("prefill", 3), ("decode", 30)):
-        while phase == "decode" and (sched.waiting or sched.prefilling):
-            sched.step()
-        for _ in range(5):
-            sched.step()
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
+    for running in decode_batches:
+        for p, sp in zip(prompts[:running], params[:running]):
+            sched.add_request([t % llm.engine.vocab_size for t in p], sp)
+        phases = (("prefill", 3), ("decode", 30)) if running == decode_batches[0] else (("decode", 30),)
+        for phase, steps in phases:
+            while phase == "decode" and (sched.waiting or sched.prefilling):
+                sched.step()
+            for _ in range(5):
                 sched.step()
             torch.cuda.synchronize()
-            per_step = (time.perf_counter() - t0) / steps
-        print(f"==== {phase}: {per_step * 1e3:.2f} ms/step, running {len(sched.running)}")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
-        rows.append(f"profile {model} {phase}: {per_step * 1e3:.2f} ms/step (running {len(sched.running)})")
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    sched.step()
+                torch.cuda.synchronize()
+                per_step = (time.perf_counter() - t0) / steps
+            gpu_ms = sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
+            print(f"==== {phase}: {per_step * 1e3:.2f} ms/step wall, {gpu_ms:.2f} ms/step of GPU kernels, "
+                  f"running {len(sched.running)}")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+            rows.append(f"profile {model} {phase}: {per_step * 1e3:.2f} ms/step wall, {gpu_ms:.2f} ms/step GPU "
+                        f"(running {len(sched.running)})")
+        for uid in list(sched.by_uid):
+            sched.abort(uid)
+        while sched.has_work:
+            sched.step()
     del llm, sched
-    import gc
-
     gc.collect()
     torch.cuda.empty_cache()  # the benchmarks run in child processes and need the memory
 
@@ -93,13 +103,14 @@ def main() -> None:
     ap.add_argument("--bench", default="qwen3-0.6b,llama-3.1-8b")
     ap.add_argument("--bench-args", default="")
     ap.add_argument("--profile", default="", help="model to profile (e.g. qwen3-0.6b)")
+    ap.add_argument("--profile-batches", default="256,16", help="decode batch sizes to profile")
     ap.add_argument("--shared-prefix", default="", help="model for the shared-prefix bench, radix vs naive")
     args = ap.parse_args()
     rows: list[str] = []
     if not args.skip_parity:
         parity(rows)
     if args.profile:
-        profile(args.profile, rows)
+        profile(args.profile, rows, [int(b) for b in args.profile_batches.split(",")])
     for model in filter(None, args.bench.split(",")):
         bench(model, rows, args.bench_args.split())
     if args.shared_prefix:

@@ -75,6 +75,9 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
           f"{c.decode_steps} steps (mean batch {mean_bs:.1f}), preemptions {c.preemptions}")
     print(f"decode throughput {c.decode_batch_total / max(c.decode_seconds, 1e-9):,.1f} tok/s "
           f"({1e3 * c.decode_seconds / max(c.decode_steps, 1):.1f} ms per step)")
+    print("decode ms per step by batch size: " + ", ".join(
+        f"{low}-{2 * low - 1}: {1e3 * secs / steps:.2f} ({steps})"
+        for low, (steps, secs) in sorted(c.decode_by_batch.items())) + "   [band: ms/step (steps)]")
     print(f"floor on {card.name}: {floor.seconds:.2f} s = {output_tokens / floor.seconds:,.0f} tok/s "
           f"(decode bytes {floor.decode_seconds:.2f} s + prefill FLOPs {floor.prefill_seconds:.2f} s); "
           f"this run is at {100 * floor.seconds / wall:.1f}% of the {card.name} floor")

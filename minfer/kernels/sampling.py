@@ -14,15 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-_M32 = 0xFFFFFFFF
-
-
 @triton.jit
 def _mix32(x):
+    """A 32-bit integer mix (the sampler's `mix32`), in uint32 arithmetic: products wrap
+    modulo 2**32 by themselves, as the torch version's `& 0xFFFFFFFF` makes them. (Written
+    with int64 and masks, as it first was, each multiply became a multi-instruction 64-bit
+    one, and the hash, not memory, bounded the kernel.)"""
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x * 0x7FEB352D
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x = x * 0x846CA68B
     return x ^ (x >> 16)
 
 
@@ -44,7 +45,7 @@ def _gumbel_argmax_chunk_kernel(logits_ptr, stride_row, temperature_ptr, seeds_p
     temperature = tl.load(temperature_ptr + row)
     seed = tl.load(seeds_ptr + row).to(tl.int64)
     position = tl.load(positions_ptr + row).to(tl.int64)
-    row_key = _mix32((seed * 0x9E3779B1 + position * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF)
+    row_key = _mix32(((seed * 0x9E3779B1 + position * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF).to(tl.uint32))
     inv_t = 1.0 / tl.where(temperature > 0, temperature, 1.0)
     best_val = float("-inf")
     best_idx = chunk * CHUNK
@@ -53,7 +54,7 @@ def _gumbel_argmax_chunk_kernel(logits_ptr, stride_row, temperature_ptr, seeds_p
         mask = cols < vocab_size
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask, other=float("-inf"))
         if temperature > 0:
-            bits = _mix32(((row_key ^ ((cols.to(tl.int64) * 0x27D4EB2F) & 0xFFFFFFFF)) + 0x61C88647) & 0xFFFFFFFF)
+            bits = _mix32((row_key ^ (cols.to(tl.uint32) * 0x27D4EB2F)) + 0x61C88647)
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             x = x * inv_t - tl.log(-tl.log(u))
             x = tl.where(mask, x, float("-inf"))

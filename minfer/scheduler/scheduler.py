@@ -17,7 +17,7 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minfer.config import EngineConfig
 from minfer.core import Batch, InvalidRequestError, Phase, Req, SamplingParams, TokenLogprobs
@@ -54,6 +54,9 @@ class SchedulerCounters:
     decode_batch_total: int = 0  # sum of decode batch sizes (mean = this / decode_steps)
     prefill_seconds: float = 0.0  # wall time of steps, from scheduling to tokens on the CPU
     decode_seconds: float = 0.0
+    # decode steps and their seconds by batch size, in power-of-two bands keyed by the band's
+    # lowest size (1, 2, 4, ...): where a run's decode time goes as its batch drains
+    decode_by_batch: dict[int, list] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -340,6 +343,9 @@ class Scheduler:
             c.decode_steps += 1
             c.decode_batch_total += batch.size
             c.decode_seconds += seconds
+            band = c.decode_by_batch.setdefault(1 << (batch.size.bit_length() - 1), [0, 0.0])
+            band[0] += 1
+            band[1] += seconds
 
     def process(self, batch: Batch, result: ForwardResult) -> list[StepOutput]:
         """Tokens of a finished pass reach the CPU: append them, decide which requests end."""

@@ -9,7 +9,13 @@ from minfer.engine.sampler import SamplingTensors, sample
 from minfer.kernels.sampling import CHUNK, gumbel_argmax
 
 
-def test_gumbel_argmax_matches_torch_sampler():
+def _kernel_tokens(logits: torch.Tensor, st: SamplingTensors, device: torch.device) -> list[int]:
+    """The kernel's tokens for CPU inputs, computed on `device` (the GPU when there is one)."""
+    return gumbel_argmax(logits.to(device), st.temperature.to(device), st.seeds.to(device),
+                         st.positions.to(device)).tolist()
+
+
+def test_gumbel_argmax_matches_torch_sampler(device):
     torch.manual_seed(0)
     batch, vocab = 6, 3000
     logits = torch.randn(batch, vocab) * 3
@@ -18,11 +24,10 @@ def test_gumbel_argmax_matches_torch_sampler():
         st = SamplingTensors.build(params, [trial * 10 + i for i in range(batch)], [5 + trial] * batch, vocab,
                                    torch.device("cpu"))
         expected = sample(logits, st)
-        got = gumbel_argmax(logits, st.temperature, st.seeds, st.positions)
-        assert got.tolist() == expected.tolist()
+        assert _kernel_tokens(logits, st, device) == expected.tolist()
 
 
-def test_gumbel_argmax_across_chunks_and_ties():
+def test_gumbel_argmax_across_chunks_and_ties(device):
     """A vocabulary of several chunks (the last one partial); greedy rows whose maximum appears
     in two chunks take the lower index, as torch.argmax does."""
     torch.manual_seed(1)
@@ -33,6 +38,6 @@ def test_gumbel_argmax_across_chunks_and_ties():
     logits[2, vocab - 1] = 50.0  # the very last entry of the partial chunk
     params = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(temperature=0.8)]
     st = SamplingTensors.build(params, [1, 2, 3, 4], [9] * batch, vocab, torch.device("cpu"))
-    got = gumbel_argmax(logits, st.temperature, st.seeds, st.positions)
-    assert got.tolist()[:3] == [5, CHUNK + 3, vocab - 1]
-    assert got.tolist() == sample(logits, st).tolist()
+    got = _kernel_tokens(logits, st, device)
+    assert got[:3] == [5, CHUNK + 3, vocab - 1]
+    assert got == sample(logits, st).tolist()
