@@ -293,14 +293,40 @@ def sweep() -> None:
      attention_extend.NUM_STAGES) = defaults
 
 
+def split_table() -> None:
+    """Decode attention time by split count for the qwen3 shape at the batch sizes where the
+    offline benchmark's batch drains (context 600..1400, as late in that run)."""
+    print("\n== decode split counts, qwen3-0.6b heads, context 600..1400 ==", flush=True)
+    num_heads, num_kv_heads, head_dim = MODELS["qwen3-0.6b"][:3]
+    rng = random.Random(2)
+    for batch_size in (8, 16, 32, 48, 64, 96, 128, 192):
+        seq_lens = [rng.randint(600, 1400) for _ in range(batch_size)]
+        batch = make_paged_batch([s - 1 for s in seq_lens], [1] * batch_size, num_kv_heads, head_dim, 1, DTYPE,
+                                 DEVICE, torch.Generator().manual_seed(0), table_width=TABLE_WIDTH)
+        q = torch.randn((batch_size, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
+        args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens, 0.088)
+        nbytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * DTYPE.itemsize
+        default = attention_decode.choose_num_splits(batch_size, num_kv_heads, TABLE_WIDTH, DEVICE)
+        line = []
+        for num_splits in (1, 2, 3, 4, 6, 8, 12, 16):
+            us = graph_us(lambda: decode_attention(*args, num_splits=num_splits))
+            line.append(f"{num_splits}: {us:6.1f}")
+        print(f"  B={batch_size:3d} ({nbytes / 1e6:5.0f} MB, floor {nbytes / COPY_CEILING_BYTES_PER_S * 1e6:5.1f} us, "
+              f"default {default} splits) graph-replay us by splits: " + "  ".join(line), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time attention launch configurations")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--splits", action="store_true", help="only the decode split-count table")
     opts = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}",
           flush=True)
     start = time.time()
+    if opts.splits:
+        split_table()
+        return
     rng = random.Random(0)
     batches = (1, 64) if opts.quick else (1, 64, 256)
 
