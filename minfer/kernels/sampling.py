@@ -47,8 +47,10 @@ def _gumbel_argmax_chunk_kernel(logits_ptr, stride_row, temperature_ptr, seeds_p
     position = tl.load(positions_ptr + row).to(tl.int64)
     row_key = _mix32(((seed * 0x9E3779B1 + position * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF).to(tl.uint32))
     inv_t = 1.0 / tl.where(temperature > 0, temperature, 1.0)
-    best_val = float("-inf")
-    best_idx = chunk * CHUNK
+    # Each lane keeps its own best over the chunk (first index on ties), and the lanes are
+    # reduced once at the end: a block-wide max and argmax per step cost more than the hash.
+    lane_val = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    lane_idx = tl.zeros([BLOCK], dtype=tl.int32)
     for offset in range(0, CHUNK, BLOCK):
         cols = chunk * CHUNK + offset + tl.arange(0, BLOCK)
         mask = cols < vocab_size
@@ -58,10 +60,14 @@ def _gumbel_argmax_chunk_kernel(logits_ptr, stride_row, temperature_ptr, seeds_p
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             x = x * inv_t - tl.log(-tl.log(u))
             x = tl.where(mask, x, float("-inf"))
-        block_max = tl.max(x, 0)
-        if block_max > best_val:  # strictly greater: ties go to the lowest index, as torch.argmax
-            best_val = block_max
-            best_idx = chunk * CHUNK + offset + tl.argmax(x, 0)
+        better = x > lane_val
+        lane_val = tl.where(better, x, lane_val)
+        lane_idx = tl.where(better, cols, lane_idx)
+    best_val = tl.max(lane_val, 0)
+    # the lowest index holding the best value, as torch.argmax picks (a chunk of only -inf
+    # keeps its first column)
+    best_idx = tl.min(tl.where(lane_val == best_val, lane_idx, 2147483647), 0)
+    best_idx = tl.where(best_val == float("-inf"), chunk * CHUNK, best_idx)
     tl.store(best_val_ptr + row * num_chunks + chunk, best_val)
     tl.store(best_idx_ptr + row * num_chunks + chunk, best_idx)
 
