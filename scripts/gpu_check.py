@@ -315,17 +315,65 @@ def split_table() -> None:
               f"default {default} splits) graph-replay us by splits: " + "  ".join(line), flush=True)
 
 
+def qwen3_sweep() -> None:
+    """Launch configurations of both attention kernels on the shapes of the offline benchmark
+    with the qwen3-0.6b heads: decode at three batch sizes (page size 1, context 600..1400)
+    and one prefill chunk of 8192 tokens made of prompts of 100..1024."""
+    num_heads, num_kv_heads, head_dim = MODELS["qwen3-0.6b"][:3]
+    rng = random.Random(3)
+    cases = []
+    for batch_size in (32, 128, 256):
+        seq_lens = [rng.randint(600, 1400) for _ in range(batch_size)]
+        batch = make_paged_batch([s - 1 for s in seq_lens], [1] * batch_size, num_kv_heads, head_dim, 1, DTYPE,
+                                 DEVICE, torch.Generator().manual_seed(0), table_width=TABLE_WIDTH)
+        q = torch.randn((batch_size, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
+        cases.append((batch_size, (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx,
+                                   batch.seq_lens, 0.088)))
+    print("\n== qwen3 decode launch sweep (BLOCK_N, num_warps, num_stages): graph-replay us at B=32/128/256 ==")
+    defaults = (attention_decode.BLOCK_N, attention_decode.NUM_WARPS, attention_decode.NUM_STAGES)
+    for config in [(64, 4, 3), (64, 4, 2), (64, 4, 4), (32, 4, 3), (32, 2, 3), (64, 2, 3), (128, 4, 3),
+                   (128, 8, 3), (64, 8, 3)]:
+        attention_decode.BLOCK_N, attention_decode.NUM_WARPS, attention_decode.NUM_STAGES = config
+        times = [graph_us(lambda: decode_attention(*args)) for _, args in cases]
+        print(f"  {config}: " + "  ".join(f"{t:7.1f}" for t in times) + f"   sum {sum(times):7.1f}", flush=True)
+    attention_decode.BLOCK_N, attention_decode.NUM_WARPS, attention_decode.NUM_STAGES = defaults
+    del cases
+
+    extend = []
+    while sum(extend) < 8192:
+        extend.append(min(rng.randint(100, 1024), 8192 - sum(extend)))
+    batch = make_paged_batch([0] * len(extend), extend, num_kv_heads, head_dim, 1, DTYPE, DEVICE,
+                             torch.Generator().manual_seed(0), table_width=TABLE_WIDTH)
+    q = torch.randn((8192, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
+    flop = sum(4 * n * (n + 1) // 2 * num_heads * head_dim for n in extend)
+    print(f"\n== qwen3 extend launch sweep (BLOCK_M, BLOCK_N, num_warps, num_stages): 8192 tokens in "
+          f"{len(extend)} prompts ==")
+    defaults = (attention_extend.BLOCK_M, attention_extend.BLOCK_N, attention_extend.NUM_WARPS,
+                attention_extend.NUM_STAGES)
+    for config in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3),
+                   (64, 32, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2)]:
+        (attention_extend.BLOCK_M, attention_extend.BLOCK_N, attention_extend.NUM_WARPS,
+         attention_extend.NUM_STAGES) = config
+        us = bench_us(lambda: extend_attention(q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx,
+                                               batch.prefix_lens, batch.seq_lens, batch.cu_extend_lens,
+                                               max(extend), 0.088))
+        print(f"  {config}: {us:8.1f} us {flop / us / 1e6:6.1f} TFLOP/s", flush=True)
+    (attention_extend.BLOCK_M, attention_extend.BLOCK_N, attention_extend.NUM_WARPS,
+     attention_extend.NUM_STAGES) = defaults
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time attention launch configurations")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--splits", action="store_true", help="only the decode split-count table")
+    parser.add_argument("--qwen3-sweep", action="store_true", help="only the launch sweep on qwen3 shapes")
     opts = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}",
           flush=True)
     start = time.time()
-    if opts.splits:
-        split_table()
+    if opts.splits or opts.qwen3_sweep:
+        split_table() if opts.splits else qwen3_sweep()
         return
     rng = random.Random(0)
     batches = (1, 64) if opts.quick else (1, 64, 256)
