@@ -84,8 +84,8 @@ def _decode_split_kernel(
         # and rotate q here (each split of the group does; it is one small tile), and let the
         # program whose slice holds the new position write the token's K/V to the pool. That
         # saves the separate rope_store launch per layer of a decode step.
-        new_pos = tl.load(positions_ptr + b).to(tl.int64)
-        cos, signed_sin = rope_factors(cos_sin_ptr, new_pos, stride_cs, offs_d, d_mask, HEAD_DIM // 2,
+        pos = tl.load(positions_ptr + b).to(tl.int64)
+        cos, signed_sin = rope_factors(cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HEAD_DIM // 2,
                                        q_ptr.dtype.element_ty)
         q = finish_heads(q_ptr + b * stride_qb, stride_qh, heads, h_mask, offs_d, d_mask, q_weight_ptr, eps, cos,
                          signed_sin, HEAD_DIM, HEAD_DIM // 2, HAS_NORM)
