@@ -2,14 +2,13 @@
 
 The context is built once per forward pass by the engine and handed down through the model
 explicitly (no module globals). It says where new K/V go (`out_loc`, the write step) and how
-to find each request's earlier K/V (page table rows and lengths, the read step). A backend
-that `writes_new_kv` performs the write step itself, fused into its kernels.
+to find each request's earlier K/V (page table rows and lengths, the read step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 
@@ -40,22 +39,6 @@ class AttentionMetadata:
         return len(self.extend_lens_cpu)
 
 
-class NewKV(NamedTuple):
-    """A pass's own k and v as the qkv projection left them, with what finishes them and q:
-    RoPE at `positions` (after a per-head RMSNorm when the norm weights are given), and the
-    pool slots `out_loc` the finished k and v go to. minfer/kernels/rope_store.py applies
-    it; the Triton decode attention kernel applies it in its prologue."""
-
-    k: torch.Tensor  # [T, Hk, D]
-    v: torch.Tensor  # [T, Hk, D]
-    positions: torch.Tensor  # [T]
-    cos_sin: torch.Tensor  # [max_positions, D]: RotaryEmbedding.cos_sin
-    out_loc: torch.Tensor  # [T]
-    q_norm_weight: torch.Tensor | None = None  # [D]
-    k_norm_weight: torch.Tensor | None = None  # [D]
-    eps: float = 0.0
-
-
 @dataclass
 class ForwardContext:
     attn: AttentionMetadata
@@ -66,15 +49,9 @@ class ForwardContext:
 
 class AttentionBackend(Protocol):
     name: str
-    # True: the model hands q, k, v over as the qkv projection left them (with a NewKV saying
-    # how to finish them), and the backend normalises/rotates them and writes K/V to the pool
-    # inside its own kernels. False: the model does those steps with torch layers first.
-    writes_new_kv: bool
 
-    def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float,
-                new_kv: NewKV | None = None) -> torch.Tensor:
-        """q: [T, Hq, D] of the pass's tokens. Returns [T, Hq, D]. Without `new_kv` the pass's
-        K/V are already in the pool and q is final."""
+    def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D] of the pass's tokens; K/V already stored. Returns [T, Hq, D]."""
 
 
 def build_metadata(table_idx: list[int], prefix_lens: list[int], extend_lens: list[int],

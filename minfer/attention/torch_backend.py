@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from minfer.attention.base import ForwardContext, NewKV
+from minfer.attention.base import ForwardContext
 
 
 class TorchAttentionBackend:
     name = "torch"
-    writes_new_kv = False  # the model stores K/V with its torch layers before calling
 
-    def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float,
-                new_kv: NewKV | None = None) -> torch.Tensor:
-        assert new_kv is None, "the torch backend expects K/V already in the pool"
+    def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
         meta = ctx.attn
         k_pool, v_pool = ctx.kv_pool.k[layer], ctx.kv_pool.v[layer]
         num_heads, num_kv_heads = q.shape[1], k_pool.shape[1]

@@ -8,32 +8,23 @@ from __future__ import annotations
 
 import torch
 
-from minfer.attention.base import ForwardContext, NewKV
+from minfer.attention.base import ForwardContext
 from minfer.kernels.attention_decode import decode_attention
 from minfer.kernels.attention_extend import extend_attention
-from minfer.kernels.rope_store import rope_store
 
 
 class TritonAttentionBackend:
     name = "triton"
-    writes_new_kv = True
 
-    def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float,
-                new_kv: NewKV | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]. Returns [T, Hq, D].
 
-        With `new_kv`, a decode step finishes q and writes the new K/V inside the decode kernel
-        (one launch per layer); a prefill/extend pass runs rope_store first (one more launch).
         Decode launches depend only on static sizes (batch, heads, page-table width) and
         device tensors, so a decode step can be captured in a CUDA graph and replayed.
         """
         meta = ctx.attn
         k_pool, v_pool = ctx.kv_pool.k[layer], ctx.kv_pool.v[layer]
         if meta.is_decode:
-            return decode_attention(q, k_pool, v_pool, meta.page_table, meta.table_idx, meta.seq_lens, scale,
-                                    new_kv=new_kv)
-        if new_kv is not None:
-            rope_store(q, new_kv.k, new_kv.v, new_kv.positions, new_kv.cos_sin, k_pool, v_pool, new_kv.out_loc,
-                       new_kv.q_norm_weight, new_kv.k_norm_weight, new_kv.eps)
+            return decode_attention(q, k_pool, v_pool, meta.page_table, meta.table_idx, meta.seq_lens, scale)
         return extend_attention(q, k_pool, v_pool, meta.page_table, meta.table_idx, meta.prefix_lens,
                                 meta.seq_lens, meta.cu_extend_lens, meta.max_extend_len, scale)

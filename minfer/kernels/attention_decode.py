@@ -21,17 +21,12 @@ are weighted zero by the merge. With one split the first pass writes the output 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from minfer.kernels.common import dot
-from minfer.kernels.rope_store import finish_heads, rope_factors
-
-if TYPE_CHECKING:
-    from minfer.attention.base import NewKV
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -47,16 +42,13 @@ NUM_STAGES = 3
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     page_table_ptr, table_idx_ptr, seq_lens_ptr,
-    new_k_ptr, new_v_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, out_loc_ptr, eps,
     sm_scale_log2,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
     stride_ob, stride_oh,
-    stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_cs,
     stride_page_row, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIRECT_OUT: tl.constexpr,
-    NEW_KV: tl.constexpr, HAS_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -76,38 +68,15 @@ def _decode_split_kernel(
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
 
-    page_row = page_table_ptr + row * stride_page_row
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
-    if NEW_KV:
-        # q and the new token's k/v arrive as the qkv projection left them: normalise (Qwen3)
-        # and rotate q here (each split of the group does; it is one small tile), and let the
-        # program whose slice holds the new position write the token's K/V to the pool. That
-        # saves the separate rope_store launch per layer of a decode step.
-        pos = tl.load(positions_ptr + b).to(tl.int64)
-        cos, signed_sin = rope_factors(cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HEAD_DIM // 2,
-                                       q_ptr.dtype.element_ty)
-        q = finish_heads(q_ptr + b * stride_qb, stride_qh, heads, h_mask, offs_d, d_mask, q_weight_ptr, eps, cos,
-                         signed_sin, HEAD_DIM, HEAD_DIM // 2, HAS_NORM)
-        newest = seq_len - 1  # (padded CUDA-graph rows: 0, their scratch slot)
-        if (start <= newest) & (newest < end):
-            one_row = offs_h < 1  # a one-row tile: the head's k, as finish_heads works on tiles
-            k_new = finish_heads(new_k_ptr + b * stride_nkb + kv_head * stride_nkh, 0, offs_h, one_row, offs_d,
-                                 d_mask, k_weight_ptr, eps, cos, signed_sin, HEAD_DIM, HEAD_DIM // 2, HAS_NORM)
-            slot = tl.load(out_loc_ptr + b).to(tl.int64)
-            row_mask = one_row[:, None] & d_mask[None, :]
-            tl.store(k_head + slot * stride_ks + offs_h[:, None] * 0 + offs_d[None, :],
-                     k_new.to(k_ptr.dtype.element_ty), mask=row_mask)
-            v_new = tl.load(new_v_ptr + b * stride_nvb + kv_head * stride_nvh + offs_d, mask=d_mask)
-            tl.store(v_head + slot * stride_vs + offs_d, v_new.to(v_ptr.dtype.element_ty), mask=d_mask)
-            tl.debug_barrier()  # the loop below reads them back, through the page table
-    else:
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
+    page_row = page_table_ptr + row * stride_page_row
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
@@ -184,17 +153,12 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, devi
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                      table_idx: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     num_splits: int | None = None, out: torch.Tensor | None = None, *,
-                     new_kv: "NewKV | None" = None) -> torch.Tensor:
+                     num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per request over its cached keys [0, seq_lens[b]).
 
     q: [B, Hq, D]; k_pool, v_pool: [slots, Hk, D] (last dim contiguous); page_table: [rows, max_len]
     int32; table_idx, seq_lens: [B] int32 on the device. Returns [B, Hq, D] in q's dtype.
     `num_splits` defaults to `choose_num_splits` from static sizes (see the module docstring).
-
-    With `new_kv`, q is not yet normalised or rotated and the new token's K/V are not yet in
-    the pool: the kernel does what rope_store would (same rounding) before attending.
-    Without it, q is final and the pool already holds position seq_lens[b] - 1.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
@@ -215,25 +179,16 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         part_out = part_lse = out  # unused: pass 1 writes the output itself
     if batch == 0:
         return out
-    if new_kv is not None and (new_kv.k.shape != (batch, num_kv_heads, head_dim) or head_dim % 2):
-        raise ValueError(f"new k {tuple(new_kv.k.shape)} does not fit q {tuple(q.shape)} and the pool")
-    # Without new_kv the prologue is compiled out: any tensors do as its (unread) arguments.
-    k_new, v_new, positions, cos_sin, out_loc, q_w, k_w, eps = new_kv or (q, q, seq_lens, page_table, seq_lens,
-                                                                            None, None, 0.0)
-    has_norm = q_w is not None
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_pool, v_pool, out, part_out, part_lse,
         page_table, table_idx, seq_lens,
-        k_new, v_new, positions, cos_sin, q_w if has_norm else q, k_w if has_norm else q, out_loc, eps,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos_sin.stride(0),
         page_table.stride(0), num_splits,
         GROUP=group, HEAD_DIM=head_dim, DIRECT_OUT=num_splits == 1,
-        NEW_KV=new_kv is not None, HAS_NORM=has_norm,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )

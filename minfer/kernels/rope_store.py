@@ -9,9 +9,7 @@ and v go straight to their pool slots and are not written back. Done as separate
 was four launches per layer (two norms over per-head rows, RoPE, KV store), each a few
 microseconds even at batch 1, plus three extra round trips of q and k through memory.
 
-One program handles one token: all its query heads, then all its key/value heads. (The decode
-attention kernel runs the same two helpers in its own prologue, so a decode step needs no
-separate launch: see attention_decode.py.) Rounding
+One program handles one token: all its query heads, then all its key/value heads. Rounding
 follows the torch layers step by step (minfer/layers/norm.py, minfer/layers/rotary.py), so the
 outputs are those of RMSNorm -> RotaryEmbedding -> KVPool.store: the normalised value is rounded
 to the activation dtype before the weight multiplies it, the weighted result is rounded again
@@ -27,38 +25,26 @@ import triton.language as tl
 
 
 @triton.jit
-def rope_factors(cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HALF: tl.constexpr, dtype: tl.constexpr):
-    """cos and signed sin of position `pos` spread over a whole head row ([1, BLOCK_D]): both
-    halves use frequency d % HALF, and the sin of the first half carries rotate-half's minus.
-    Rounded to `dtype`, as the torch layer rounds its cos/sin table."""
-    freq = offs_d % HALF
-    row = cos_sin_ptr + pos * stride_cs
-    cos = tl.load(row + freq, mask=d_mask, other=0.0).to(tl.float32).to(dtype).to(tl.float32)
-    sin = tl.load(row + HALF + freq, mask=d_mask, other=0.0).to(tl.float32).to(dtype).to(tl.float32)
-    return cos[None, :], tl.where(offs_d < HALF, -sin, sin)[None, :]
-
-
-@triton.jit
-def finish_heads(x_ptr, stride_h, offs_h, h_mask, offs_d, d_mask, weight_ptr, eps, cos, signed_sin,
-                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Rows `x_ptr + h * stride_h` (h in offs_h) of one token, RMS-normalised per head when
-    HAS_NORM and then rotated: [BLOCK_H, BLOCK_D] in x's dtype, not stored.
-
-    Each row is read twice, as itself and with its halves swapped, so that the rotation is a
-    single elementwise expression over the whole row: out = x cos + swap(x) signed_sin."""
+def _norm_rope_heads(x_ptr, token, stride_t, stride_h, weight_ptr, eps, cos, sin,
+                     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The [heads, head_dim] rows of one token, normalised and rotated, as two halves."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
+    first = x_ptr + token * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
     dtype = x_ptr.dtype.element_ty
-    mask = h_mask[:, None] & d_mask[None, :]
-    rows = x_ptr + offs_h[:, None] * stride_h
-    swapped = (offs_d + HALF) % HEAD_DIM
-    x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xs = tl.load(rows + swapped[None, :], mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        rstd = (1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps))[:, None]
-        w = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        ws = tl.load(weight_ptr + swapped, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-        xs = ((xs * rstd).to(dtype).to(tl.float32) * ws).to(dtype).to(tl.float32)
-    return ((x * cos).to(dtype).to(tl.float32) + (xs * signed_sin).to(dtype).to(tl.float32)).to(dtype)
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+        w1 = tl.load(weight_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(weight_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    out1 = ((x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    return out1, out2, offs_h, offs_d, mask
 
 
 @triton.jit
@@ -67,36 +53,35 @@ def _rope_store_kernel(
     k_pool_ptr, v_pool_ptr, out_loc_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kps, stride_kph, stride_vps, stride_vph,
-    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     slot = tl.load(out_loc_ptr + token).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    cos, signed_sin = rope_factors(cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HEAD_DIM // 2,
-                                   q_ptr.dtype.element_ty)
+    offs = tl.arange(0, BLOCK_HALF)
+    dtype = q_ptr.dtype.element_ty
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=offs < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=offs < HALF, other=0.0)
+    cos = cos.to(tl.float32).to(dtype).to(tl.float32)[None, :]
+    sin = sin.to(tl.float32).to(dtype).to(tl.float32)[None, :]
 
-    offs_h = tl.arange(0, BLOCK_QH)
-    h_mask = offs_h < NUM_Q_HEADS
-    q = finish_heads(q_ptr + token * stride_qt, stride_qh, offs_h, h_mask, offs_d, d_mask, q_weight_ptr, eps, cos,
-                     signed_sin, HEAD_DIM, HEAD_DIM // 2, HAS_NORM)
-    # In place: every thread must have read its (swapped) inputs before any thread writes.
-    tl.debug_barrier()
-    tl.store(q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], q,
-             mask=h_mask[:, None] & d_mask[None, :])
+    q1, q2, offs_h, offs_d, mask = _norm_rope_heads(q_ptr, token, stride_qt, stride_qh, q_weight_ptr, eps, cos,
+                                                    sin, NUM_Q_HEADS, HALF, HAS_NORM, BLOCK_QH, BLOCK_HALF)
+    q_row = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    tl.store(q_row, q1, mask=mask)
+    tl.store(q_row + HALF, q2, mask=mask)
 
-    offs_h = tl.arange(0, BLOCK_KH)
-    h_mask = offs_h < NUM_KV_HEADS
-    mask = h_mask[:, None] & d_mask[None, :]
-    k = finish_heads(k_ptr + token * stride_kt, stride_kh, offs_h, h_mask, offs_d, d_mask, k_weight_ptr, eps, cos,
-                     signed_sin, HEAD_DIM, HEAD_DIM // 2, HAS_NORM)
-    tl.store(k_pool_ptr + slot * stride_kps + offs_h[:, None] * stride_kph + offs_d[None, :],
-             k.to(k_pool_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(v_pool_ptr + slot * stride_vps + offs_h[:, None] * stride_vph + offs_d[None, :],
-             v.to(v_pool_ptr.dtype.element_ty), mask=mask)
+    k1, k2, offs_h, offs_d, mask = _norm_rope_heads(k_ptr, token, stride_kt, stride_kh, k_weight_ptr, eps, cos,
+                                                    sin, NUM_KV_HEADS, HALF, HAS_NORM, BLOCK_KH, BLOCK_HALF)
+    k_slot = k_pool_ptr + slot * stride_kps + offs_h[:, None] * stride_kph + offs_d[None, :]
+    tl.store(k_slot, k1.to(k_pool_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_slot + HALF, k2.to(k_pool_ptr.dtype.element_ty), mask=mask)
+
+    v_row = v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    v_slot = v_pool_ptr + slot * stride_vps + offs_h[:, None] * stride_vph + offs_d[None, :]
+    tl.store(v_slot, tl.load(v_row, mask=mask).to(v_pool_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_slot + HALF, tl.load(v_row + HALF, mask=mask).to(v_pool_ptr.dtype.element_ty), mask=mask)
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -130,15 +115,16 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
     if num_tokens == 0:
         return q
     has_norm = q_norm_weight is not None
+    half = head_dim // 2
     _rope_store_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache,
         q_norm_weight if has_norm else cos_sin_cache, k_norm_weight if has_norm else cos_sin_cache,
         k_pool, v_pool, out_loc, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_NORM=has_norm,
         BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_HALF=triton.next_power_of_2(half),
         num_warps=4,
     )
     return q

@@ -1,8 +1,7 @@
 """The attention layer's read step: this pass's queries attend to keys found through the page table.
 
-The K/V of the pass's own tokens reach the pool at the slots `ctx.out_loc` either before (the
-model's torch layers and KVPool.store) or inside the backend's kernels (`new_kv`, when the
-backend `writes_new_kv`).
+The K/V of the pass's own tokens are already in the pool when it runs: the model writes them
+first (KVPool.store, or the fused rope_store kernel on CUDA) at the slots `ctx.out_loc`.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minfer.attention.base import ForwardContext, NewKV
+from minfer.attention.base import ForwardContext
 
 
 class PagedAttention(nn.Module):
@@ -21,7 +20,7 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
 
-    def forward(self, q: torch.Tensor, ctx: ForwardContext, new_kv: NewKV | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q: [T, Hq, D]. Returns [T, Hq * D]."""
-        o = ctx.backend.forward(q, self.layer_id, ctx, self.scale, new_kv)
+        o = ctx.backend.forward(q, self.layer_id, ctx, self.scale)
         return o.reshape(q.shape[0], self.num_heads * self.head_dim)

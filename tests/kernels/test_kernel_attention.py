@@ -8,13 +8,11 @@ import pytest
 import torch
 from kernel_cases import make_paged_batch, tolerance
 
-from minfer.attention.base import ForwardContext, NewKV, build_metadata
+from minfer.attention.base import ForwardContext, build_metadata
 from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.attention.triton_backend import TritonAttentionBackend
 from minfer.kernels.attention_decode import choose_num_splits, decode_attention, decode_attention_reference
 from minfer.kernels.attention_extend import extend_attention, extend_attention_reference
-from minfer.kernels.rope_store import rope_store
-from minfer.layers.rotary import RotaryEmbedding
 from minfer.kvcache.pool import KVPool
 
 
@@ -45,37 +43,6 @@ def test_decode_matches_reference(group, head_dim, page_size, device):
     for num_splits in (1, 3):
         out = decode_attention(*args, num_splits=num_splits)
         torch.testing.assert_close(out, expected, **tolerance(dtype))
-
-
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("group,qk_norm", [(2, True), (4, False)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_with_new_kv_equals_rope_store_then_decode(group, qk_norm, page_size, dtype, device):
-    """The fused prologue (q/k norm + RoPE + the new token's K/V write) gives the outputs and the
-    pool of rope_store followed by plain decode attention, whichever split holds the new token."""
-    seq_lens = [1, 37, 130, 64]
-    batch, q = _decode_case(group, 64, page_size, dtype, device, seq_lens)
-    gen = _generator("new kv", group, page_size)
-    k, v = (torch.randn((len(seq_lens), 2, 64), generator=gen).to(dtype).to(device) for _ in range(2))
-    rows = batch.page_table[batch.table_idx.long()]
-    out_loc = rows.gather(1, (batch.seq_lens.long() - 1)[:, None])[:, 0]  # the new token's slots
-    positions = batch.seq_lens.long() - 1
-    cos_sin = RotaryEmbedding(64, 256, {"rope_theta": 10000.0, "rope_type": "default"}).cos_sin.to(device)
-    norms = ()
-    if qk_norm:
-        norms = tuple((1 + torch.randn(64, generator=gen) / 4).to(dtype).to(device) for _ in range(2)) + (1e-6,)
-    for num_splits in (1, 3):
-        k_pool, v_pool = batch.k_pool.clone(), batch.v_pool.clone()
-        q_final = q.clone()
-        rope_store(q_final, k, v, positions, cos_sin, k_pool, v_pool, out_loc, *norms)
-        expected = decode_attention(q_final, k_pool, v_pool, batch.page_table, batch.table_idx, batch.seq_lens,
-                                    0.125, num_splits=num_splits)
-        fused_k_pool, fused_v_pool = batch.k_pool.clone(), batch.v_pool.clone()
-        out = decode_attention(q, fused_k_pool, fused_v_pool, batch.page_table, batch.table_idx, batch.seq_lens,
-                               0.125, num_splits=num_splits, new_kv=NewKV(k, v, positions, cos_sin, out_loc, *norms))
-        torch.testing.assert_close(out, expected, **tolerance(dtype))
-        torch.testing.assert_close(fused_k_pool, k_pool, atol=0, rtol=0)
-        torch.testing.assert_close(fused_v_pool, v_pool, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
