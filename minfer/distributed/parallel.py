@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,8 +149,13 @@ def join_tp_group(config, rank: int, store: dist.TCPStore, device_type: str,
         torch.cuda.set_device(local_rank)
     else:  # ranks of a node share its cores: N ranks each using every core would thrash
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.per_node))
+    previous_hook = sys.excepthook
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank,
                             world_size=config.tp)
+    if getattr(previous_hook, "__name__", "") == "_distributed_excepthook":
+        # torch wraps sys.excepthook on every init to prefix "[rank0]: " to each traceback line;
+        # after N TP jobs in one process every line carried the prefix N times. Keep one.
+        sys.excepthook = previous_hook
     cpu_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TPGroup(rank, config.tp, dist.group.WORLD, cpu_group, local_rank)
 

@@ -116,3 +116,17 @@ def test_two_nodes_same_code_path(model_dir, tmp_path):
     finally:
         node1.kill()
     assert got == expected
+
+
+def test_traceback_rank_prefix_once_after_several_tp_jobs(model_dir):
+    """torch prefixes '[rank0]: ' to traceback lines at every process-group init; two TP jobs in
+    one process must not make it '[rank0]: [rank0]: '."""
+    path = model_dir("llama", 2)
+    code = (f"from minfer import LLM\n"
+            f"for _ in range(2):\n"
+            f"    LLM({path!r}, tp=2, log_level='warning').shutdown()\n"
+            f"raise RuntimeError('after two TP jobs')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1
+    assert "[rank0]: RuntimeError: after two TP jobs" in proc.stderr, proc.stderr[-2000:]
+    assert "[rank0]: [rank0]:" not in proc.stderr
