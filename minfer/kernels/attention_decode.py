@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import dot
+from minfer.kernels.common import attend_blocks
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -77,21 +77,9 @@ def _decode_split_kernel(
     page_row = page_table_ptr + row * stride_page_row
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < end
-        slots = tl.load(page_row + pos, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        scores = dot(q, tl.trans(k)) * sm_scale_log2
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
-        m_i = m_new
+    # The new token sees every cached key: bounds masking only, no causal mask (q_pos unused).
+    m_i, l_i, acc = attend_blocks(q, m_i, m_i, l_i, acc, page_row, k_head, v_head, stride_ks, stride_vs,
+                                  start, end, sm_scale_log2, offs_n, offs_d, d_mask, True, False, BLOCK_N)
 
     # An empty slice (split past the end) has l_i = 0: its output is 0 and its lse -inf.
     l_safe = tl.where(l_i > 0, l_i, 1.0)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import dot
+from minfer.kernels.common import attend_blocks
 
 LOG2E = 1.4426950408889634
 # GPU launch configuration; scripts/gpu_check.py --sweep times alternatives. On an H200 in bf16
@@ -29,35 +29,6 @@ BLOCK_M = 64
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
-
-
-@triton.jit
-def _attend(q, q_pos, m_i, l_i, acc, page_row, k_head, v_head, stride_ks, stride_vs, start, end,
-            sm_scale_log2, offs_n, offs_d, d_mask, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Online-softmax steps over keys [start, end); unmasked steps need whole, visible blocks."""
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        if MASKED:
-            n_mask = pos < end
-            slots = tl.load(page_row + pos, mask=n_mask, other=0).to(tl.int64)
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-        else:
-            slots = tl.load(page_row + pos).to(tl.int64)
-            kv_mask = d_mask[None, :]
-        k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        scores = dot(q, tl.trans(k)) * sm_scale_log2
-        if MASKED:
-            visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-            scores = tl.where(visible, scores, float("-inf"))
-        # Every row sees key 0, so after the first block m_new is finite for every row.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
-        m_i = m_new
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -108,10 +79,11 @@ def _extend_kernel(
     # are masked.
     unmasked_end = (prefix + block_m * BLOCK_M) // BLOCK_N * BLOCK_N
     end = tl.minimum(seq_len, prefix + (block_m + 1) * BLOCK_M)
-    m_i, l_i, acc = _attend(q, q_pos, m_i, l_i, acc, page_row, k_head, v_head, stride_ks, stride_vs,
-                            0, unmasked_end, sm_scale_log2, offs_n, offs_d, d_mask, False, BLOCK_N)
-    m_i, l_i, acc = _attend(q, q_pos, m_i, l_i, acc, page_row, k_head, v_head, stride_ks, stride_vs,
-                            unmasked_end, end, sm_scale_log2, offs_n, offs_d, d_mask, True, BLOCK_N)
+    # Every row sees key 0, so after the first block the running maximum is finite in every row.
+    m_i, l_i, acc = attend_blocks(q, q_pos, m_i, l_i, acc, page_row, k_head, v_head, stride_ks, stride_vs,
+                                  0, unmasked_end, sm_scale_log2, offs_n, offs_d, d_mask, False, True, BLOCK_N)
+    m_i, l_i, acc = attend_blocks(q, q_pos, m_i, l_i, acc, page_row, k_head, v_head, stride_ks, stride_vs,
+                                  unmasked_end, end, sm_scale_log2, offs_n, offs_d, d_mask, True, True, BLOCK_N)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],

@@ -24,3 +24,39 @@ def dot(a, b):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def attend_blocks(q, q_pos, m_i, l_i, acc, page_row, k_head, v_head, stride_ks, stride_vs, start, end,
+                  sm_scale_log2, offs_n, offs_d, d_mask,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online-softmax steps of q's rows over keys [start, end), gathered slot by slot through
+    a page-table row; returns the updated (running max, running sum, accumulator), base 2.
+
+    MASKED: bound-check keys against `end` (without it every step must be a whole block).
+    CAUSAL (with MASKED): the row at position q_pos[i] sees keys at positions <= q_pos[i].
+    Used by the decode kernel (masked, not causal) and the extend kernel (both ways)."""
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        if MASKED:
+            n_mask = pos < end
+            slots = tl.load(page_row + pos, mask=n_mask, other=0).to(tl.int64)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+        else:
+            slots = tl.load(page_row + pos).to(tl.int64)
+            kv_mask = d_mask[None, :]
+        k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = dot(q, tl.trans(k)) * sm_scale_log2
+        if MASKED:
+            visible = n_mask[None, :]
+            if CAUSAL:
+                visible = visible & (pos[None, :] <= q_pos[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
