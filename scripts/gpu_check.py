@@ -41,6 +41,7 @@ from minfer.kernels import attention_decode, attention_extend  # noqa: E402
 from minfer.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from minfer.kernels.attention_decode import decode_attention, decode_attention_reference  # noqa: E402
 from minfer.kernels.attention_extend import extend_attention, extend_attention_reference  # noqa: E402
+from minfer.kernels import gemm  # noqa: E402
 from minfer.kernels.norm import rmsnorm, rmsnorm_reference  # noqa: E402
 from minfer.kernels.rope_store import rope_store  # noqa: E402
 from minfer.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -362,16 +363,106 @@ def qwen3_sweep() -> None:
      attention_extend.NUM_STAGES) = defaults
 
 
+def rotated_graph_us(make_call, weights: list[torch.Tensor], reps: int = 10) -> float:
+    """Median us per call of `make_call(w)`, replayed from one CUDA graph that cycles through
+    `weights` (together larger than the 60 MB L2), so each call reads its weights from HBM as
+    in a decode step, where a layer's weights were last touched a whole model ago."""
+    def calls():
+        for _ in range(reps):
+            for w in weights:
+                make_call(w)
+    calls()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (reps * len(weights)))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def gemm_sweep(full: bool) -> None:
+    """Decode-shaped GEMMs: cuBLAS (F.linear) against minfer.kernels.gemm with its default
+    configuration and, with `full`, a sweep of tile sizes and K splits. Weights from HBM."""
+    import torch.nn.functional as F
+
+    shapes = {  # name: (N, K) of y[M, N] = x[M, K] @ w[N, K].T
+        "qwen3-0.6b": {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
+        "llama-8b": {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    }
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("\n== decode GEMMs: us per call, weights from HBM (floor = max(weight bytes / 4.26 TB/s, "
+          "FLOPs / 790 TF)) ==", flush=True)
+    for model, layer in shapes.items():
+        totals = {"cublas": {}, "triton": {}}
+        for name, (n, k) in layer.items():
+            copies = max(2, triton.cdiv(256 << 20, n * k * 2))
+            weights = [torch.randn((n, k), device=DEVICE, dtype=DTYPE) * 0.02 for _ in range(copies)]
+            for m in (1, 16, 64, 128, 256):
+                x = torch.randn((m, k), device=DEVICE, dtype=DTYPE)
+                check(f"gemm {model} {name} M={m}", gemm.linear(x, weights[0]), F.linear(x, weights[0]),
+                      atol=2e-2, rtol=2e-2)
+                floor = max(n * k * 2 / COPY_CEILING_BYTES_PER_S, 2 * m * n * k / 790e12) * 1e6
+                cublas = rotated_graph_us(lambda w: F.linear(x, w), weights)
+                default = gemm.choose_config(m, n, k, sms)
+                ours = rotated_graph_us(lambda w: gemm.linear(x, w), weights)
+                totals["cublas"][m] = totals["cublas"].get(m, 0) + cublas
+                totals["triton"][m] = totals["triton"].get(m, 0) + ours
+                line = f"  {model:10s} {name:7s} M={m:3d} N={n:5d} K={k:5d} floor {floor:6.1f}  cublas {cublas:6.1f}  " \
+                       f"triton {ours:6.1f} {default}"
+                if full and model == "qwen3-0.6b" and m in (16, 64, 256):
+                    results = []
+                    for bm in (16, 32, 64):
+                        if bm > max(16, triton.next_power_of_2(m)):
+                            continue
+                        for bn in (32, 64, 128):
+                            for bk in (64, 128):
+                                for split in (1, 2, 4, 8, 16):
+                                    if k // bk < split:
+                                        continue
+                                    for stages in (3, 4):
+                                        cfg = (bm, bn, bk, split, 4, stages)
+                                        try:
+                                            us = rotated_graph_us(lambda w: gemm.linear(x, w, config=cfg), weights,
+                                                                  reps=4)
+                                        except Exception as e:  # e.g. out of shared memory
+                                            print(f"    {cfg}: {type(e).__name__}", flush=True)
+                                            continue
+                                        results.append((us, cfg))
+                    results.sort()
+                    line += "  best " + "  ".join(f"{us:5.1f} {cfg}" for us, cfg in results[:3])
+                print(line, flush=True)
+            del weights
+        for m in (1, 16, 64, 128, 256):
+            print(f"  {model} per layer M={m}: cublas {totals['cublas'][m]:6.1f} us, triton "
+                  f"{totals['triton'][m]:6.1f} us", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time attention launch configurations")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--splits", action="store_true", help="only the decode split-count table")
     parser.add_argument("--qwen3-sweep", action="store_true", help="only the launch sweep on qwen3 shapes")
+    parser.add_argument("--gemm", action="store_true", help="only the decode GEMMs: cuBLAS vs the Triton kernel")
+    parser.add_argument("--gemm-sweep", action="store_true", help="--gemm plus a sweep of its launch configs")
     opts = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}",
           flush=True)
     start = time.time()
+    if opts.gemm or opts.gemm_sweep:
+        gemm_sweep(full=opts.gemm_sweep)
+        if failures:
+            print("FAILURES:", *failures, sep="\n  ")
+            sys.exit(1)
+        return
     if opts.splits or opts.qwen3_sweep:
         split_table() if opts.splits else qwen3_sweep()
         return

@@ -9,11 +9,27 @@ slice out of a checkpoint tensor, so weights are sharded while they load.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minfer.distributed.parallel import SINGLE, TPGroup
+
+# Decode-sized GEMMs on CUDA go to minfer.kernels.gemm (split over K so every SM reads a slice
+# of the weights); MINFER_SMALL_GEMM=cublas keeps them on cuBLAS, for A/B measurements.
+_SMALL_GEMM = os.environ.get("MINFER_SMALL_GEMM", "triton")
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.is_cuda and x.dtype in _HALF and _SMALL_GEMM == "triton":
+        from minfer.kernels import gemm
+
+        if gemm.suits(x.numel() // x.shape[-1], weight):
+            return gemm.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -39,7 +55,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -107,5 +123,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,153 @@
+"""Small-batch GEMM in Triton: y = x @ w.T (+ bias) for decode steps (few rows, small weights).
+
+Why not cuBLAS here: with a handful of token rows the product is a read of the weights, and
+a decode step of a small model is dozens of such reads of a few MB each. cuBLAS launches few
+programs for narrow outputs (Qwen3-0.6B's o_proj at one row: 12.6 us for 4 MB, a 1 us read)
+and its fixed cost per call dominates. This kernel splits K as well, so about one program per
+SM reads a slice of the weights (o_proj at one row: 5.0 us). Where it is used is set by
+`suits`: measured on an H200 (docs/BENCHMARKS.md), it wins up to 64 rows on weights of up to
+8M elements and loses to cuBLAS's larger tensor-core tiles beyond.
+
+How the splits are summed without a second kernel (which would cost a graph node and its
+launch gap per GEMM): each program writes its fp32 partial tile to a workspace, then bumps the
+tile's arrival counter. The program that arrives last adds all partials of the tile in split
+order (0, 1, ...), so the result does not depend on which program finished first, writes the
+output and resets the counter to zero for the next launch. The counters live in one zeroed
+buffer per device; GEMMs on one stream run one after another, so they never share a counter
+while it is non-zero.
+
+Rows of x may be strided (views of a larger activation); the last dim must be contiguous.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from minfer.kernels.common import dot
+
+# Where this kernel beats cuBLAS on an H200 (scripts/gpu_check.py --gemm): up to 64 rows and
+# weights of up to 8M elements (Qwen3-0.6B's); Llama-8B's larger weights stream at close to
+# bandwidth in cuBLAS, and more rows want cuBLAS's bigger tensor-core tiles.
+MAX_ROWS = 64
+MAX_WEIGHT_ELEMENTS = 8 << 20
+_MAX_TILES = 4096  # arrival counters per device: one per output tile of a split launch
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, k_per_split, num_splits,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+
+    k_start = split * k_per_split
+    x_tile = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
+    w_tile = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None]  # [K, N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in tl.range(0, k_per_split, BLOCK_K):
+        k_mask = k_start + k + offs_k < K
+        x = tl.load(x_tile + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_tile + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += dot(x, w)
+
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        num_m = tl.num_programs(1)
+        tile = pid_n * num_m + pid_m
+        # partials: [num_splits, M, N] fp32
+        part = partial_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(part + split.to(tl.int64) * M * N, acc, mask=out_mask)
+        # Every thread's partial store must precede the arrival (release) that publishes it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for _ in range(num_splits):  # fixed order: the sum is the same whoever arrives last
+                acc += tl.load(part, mask=out_mask, other=0.0, cache_modifier=".cg")
+                part += M * N
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _counters(device: torch.device) -> torch.Tensor:
+    return torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [k, n] GEMM.
+
+    Tiles as tall as the batch (at least 16, the smallest tensor-core tile) and 64 wide; then
+    enough K splits that the launch has about one program per SM, each still looping over at
+    least two K blocks.
+    """
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n = 32
+    block_k = 128 if k >= 256 else max(16, triton.next_power_of_2(k))
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_blocks = triton.cdiv(k, block_k)
+    split_k = max(1, min(num_sms // tiles, k_blocks // 2))
+    if tiles > _MAX_TILES:
+        split_k = 1
+    return block_m, block_n, block_k, split_k, 4, 4
+
+
+def suits(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `linear` should take this GEMM rather than cuBLAS (see MAX_ROWS)."""
+    return rows <= MAX_ROWS and weight.numel() <= MAX_WEIGHT_ELEMENTS
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N] in x's dtype, accumulated in fp32."""
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    assert weight.stride(-1) == 1
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    block_m, block_n, block_k, split_k, warps, stages = config or choose_config(m, n, k, _num_sms(x.device))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # rounding K up to whole blocks may leave fewer splits
+    partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
+    _gemm_kernel[grid](
+        x2, weight, bias if bias is not None else out, out, partials, _counters(x.device),
+        m, n, k, x2.stride(0), weight.stride(0), out.stride(0), k_per_split, split_k,
+        SPLIT=split_k > 1, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    )
+    return out.reshape(*x.shape[:-1], n)
