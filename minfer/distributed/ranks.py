@@ -58,15 +58,16 @@ def follower_main(config: EngineConfig, rank: int) -> None:
     from minfer.distributed.faults import fault_point
     from minfer.distributed.parallel import create_store, join_tp_group
     from minfer.distributed.step_sync import follow
-    from minfer.engine.engine import Engine
+    from minfer.engine.engine import Engine, freeze_long_lived_objects
     from minfer.observability.trace import NULL_TRACER
     from minfer.scheduler.scheduler import Scheduler
 
     tp = join_tp_group(config, rank, create_store(config, rank), device_type_of(config))
     fault_point(rank, "init")
     engine = Engine(config, tp)
-    # Rank 0 writes the request trace; followers would only duplicate it.
-    follow(tp, engine, Scheduler(engine, tracer=NULL_TRACER))
+    scheduler = Scheduler(engine, tracer=NULL_TRACER)  # rank 0 writes the request trace
+    freeze_long_lived_objects()  # a follower keeps its engine for life, as the scheduler process does
+    follow(tp, engine, scheduler)
 
 
 def run_follower_rank(config: EngineConfig, rank: int) -> None:

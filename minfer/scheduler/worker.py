@@ -133,13 +133,14 @@ def run_scheduler_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
     to_tokenizer = outbox(ctx, endpoints.tokenizer)
     try:
         from minfer.distributed.ranks import start_rank_zero
-        from minfer.engine.engine import Engine
+        from minfer.engine.engine import Engine, freeze_long_lived_objects
         from minfer.scheduler.scheduler import Scheduler
 
         # With --tp N this is rank 0; launch.py started the other ranks.
         tp_leader = start_rank_zero(config, spawn_followers=False)
         scheduler = Scheduler(Engine(config, tp_leader.tp))
         tp_leader.agree(scheduler.engine)
+        freeze_long_lived_objects()
     except Exception as e:
         log.exception("the engine failed to start")
         send(to_tokenizer, m.WorkerFailed(role="scheduler", message=f"{type(e).__name__}: {e}"))

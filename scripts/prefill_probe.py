@@ -1,0 +1,52 @@
+"""Where does the offline bench's prefill time vary? Runs `minfer bench offline` in-process and
+records every step's wall time, every garbage-collector pause and the CUDA allocator's segment
+allocations during the timed run. Usage: python3 scripts/prefill_probe.py qwen3-0.6b [bench args]"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+
+import torch
+
+from minfer.cli import main
+from minfer.scheduler.scheduler import Phase, Scheduler
+
+steps: list[tuple[str, int, float]] = []
+pauses: list[tuple[int, float, int]] = []
+_gc_start = [0.0]
+_count_step = Scheduler._count_step
+
+
+def count_step(self, batch, seconds):
+    steps.append((batch.phase.value, batch.size, seconds))
+    if len(steps) == 1 and torch.cuda.is_available():
+        stats["alloc_before"] = torch.cuda.memory_stats().get("segment.all.allocated", 0)
+    return _count_step(self, batch, seconds)
+
+
+def on_gc(phase, info):
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+    else:
+        pauses.append((info["generation"], time.perf_counter() - _gc_start[0], len(steps)))
+
+
+stats: dict = {}
+Scheduler._count_step = count_step
+gc.callbacks.append(on_gc)
+main(["bench", "offline", *sys.argv[1:]])
+# the last run's steps: the timed one follows the warm-up's
+first_timed = max(0, len(steps) - 1023 - 18)
+timed = steps[first_timed:]
+prefill = [(n, round(s * 1e3, 1)) for p, n, s in timed if p == Phase.PREFILL.value]
+print("prefill steps (batch size, ms):", prefill)
+print("first decode steps ms:", [round(s * 1e3, 1) for p, n, s in timed if p != Phase.PREFILL.value][:10])
+timed_pauses = [(g, d, i - first_timed) for g, d, i in pauses if i >= first_timed]
+print("gc pauses in the timed run (generation, ms, step) > 1 ms:",
+      [(g, round(d * 1e3, 1), i) for g, d, i in timed_pauses if d > 1e-3],
+      "total", round(sum(d for _, d, _ in timed_pauses) * 1e3, 1), "ms in", len(timed_pauses))
+if torch.cuda.is_available():
+    print("cuda segments allocated since the first step:",
+          torch.cuda.memory_stats().get("segment.all.allocated", 0) - stats.get("alloc_before", 0))
