@@ -5,8 +5,8 @@ a decode step of a small model is dozens of such reads of a few MB each. cuBLAS 
 programs for narrow outputs (Qwen3-0.6B's o_proj at one row: 12.6 us for 4 MB, a 1 us read)
 and its fixed cost per call dominates. This kernel splits K as well, so about one program per
 SM reads a slice of the weights (o_proj at one row: 5.0 us). Where it is used is set by
-`suits`: measured on an H200 (docs/BENCHMARKS.md), it wins up to 64 rows on weights of up to
-8M elements and loses to cuBLAS's larger tensor-core tiles beyond.
+`suits`: measured on an H200 (docs/BENCHMARKS.md), it wins or ties up to 64 rows on Qwen3-0.6B's
+weights and loses to cuBLAS's larger tensor-core tiles beyond.
 
 How the splits are summed without a second kernel (which would cost a graph node and its
 launch gap per GEMM): each program writes its fp32 partial tile to a workspace, then bumps the
@@ -29,11 +29,12 @@ import triton.language as tl
 
 from minfer.kernels.common import dot
 
-# Where this kernel beats cuBLAS on an H200 (scripts/gpu_check.py --gemm): up to 64 rows and
-# weights of up to 8M elements (Qwen3-0.6B's); Llama-8B's larger weights stream at close to
-# bandwidth in cuBLAS, and more rows want cuBLAS's bigger tensor-core tiles.
+# Where this kernel was measured to match or beat cuBLAS on an H200 (scripts/gpu_check.py
+# --gemm): up to 64 rows, weights up to Qwen3-0.6B's largest (gate_up, 6144 x 1024). Llama-8B's
+# weights (16M+ elements) stream at close to bandwidth in cuBLAS, and more rows want cuBLAS's
+# bigger tensor-core tiles.
 MAX_ROWS = 64
-MAX_WEIGHT_ELEMENTS = 8 << 20
+MAX_WEIGHT_ELEMENTS = 6144 * 1024
 _MAX_TILES = 4096  # arrival counters per device: one per output tile of a split launch
 
 

@@ -81,6 +81,14 @@ def test_choose_config_fills_the_gpu():
     assert gemm.choose_config(256, 28672, 4096, num_sms=132)[3] == 1
 
 
+def test_suits_only_the_measured_shapes():
+    """Decode batches of up to 64 rows on Qwen3-0.6B-sized weights; cuBLAS for the rest."""
+    gate_up = torch.empty((6144, 1024), device="meta")
+    assert gemm.suits(1, gate_up) and gemm.suits(64, gate_up)
+    assert not gemm.suits(65, gate_up)
+    assert not gemm.suits(1, torch.empty((4096, 4096), device="meta"))  # Llama-8B o_proj
+
+
 @pytest.mark.gpu
 def test_gemm_replays_in_a_cuda_graph():
     device = torch.device("cuda")
