@@ -13,7 +13,6 @@ import random
 import time
 
 from minfer.bench.floor import H200, workload_floor
-from minfer.engine.engine import freeze_long_lived_objects
 from minfer.config import EngineConfig
 from minfer.core import SamplingParams
 
@@ -38,6 +37,7 @@ def make_workload(num_requests: int = 256, input_len: int = 1024, output_len: in
 
 def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     from minfer import LLM
+    from minfer.engine.engine import freeze_long_lived_objects
 
     # No model named: the embedded default (real weights). A shipped shape name: dummy weights.
     if config.model and config.load_format == "auto" and not config.model.endswith(".gguf") \
@@ -55,7 +55,7 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     llm.generate([[t % llm.engine.vocab_size for t in p] for p in warm_prompts],
                  SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2), use_tqdm=False)
     # As the server's scheduler process does after start-up: without this, full collections in
-    # the timed run walk every object of the engine and the warm-up (0.1-0.15 s pauses seen).
+    # the timed run walk every object of the engine and the warm-up (0.1-0.2 s pauses seen).
     freeze_long_lived_objects()
     sched = llm.scheduler
     sched.counters.__init__()

@@ -126,7 +126,7 @@ def freeze_long_lived_objects() -> None:
 
     Start-up leaves hundreds of thousands of objects that live as long as the process (the
     model's modules and parameters, the tokenizer, loader metadata). Python's full collections,
-    triggered by allocation counts while serving, walk all of them each time: 0.1-0.15 s with the
+    triggered by allocation counts while serving, walk all of them each time: 0.1-0.2 s with the
     CPU loop stalled, which on a GPU is a stall of the whole pipeline. Call it once the engine is
     built, in a process that keeps that engine for life (frozen garbage is never collected).
     At exit they are handed back, so that interpreter shutdown finalizes them as usual.
