@@ -1,6 +1,7 @@
 """Where does the offline bench's prefill time vary? Runs `minfer bench offline` in-process and
 records every step's wall time, every garbage-collector pause and the CUDA allocator's segment
-allocations during the timed run. Usage: python3 scripts/prefill_probe.py qwen3-0.6b [bench args]"""
+allocations during the timed run (the steps after the bench's GC freeze, which precedes it).
+Usage, from the repository root: PYTHONPATH=$PWD python3 scripts/prefill_probe.py qwen3-0.6b [bench args]"""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import torch
 
 from minfer.cli import main
+from minfer.engine import engine
 from minfer.scheduler.scheduler import Phase, Scheduler
 
 steps: list[tuple[str, int, float]] = []
@@ -21,7 +23,7 @@ _count_step = Scheduler._count_step
 
 def count_step(self, batch, seconds):
     steps.append((batch.phase.value, batch.size, seconds))
-    if len(steps) == 1 and torch.cuda.is_available():
+    if len(steps) == stats.get("first_timed", -1) + 1 and torch.cuda.is_available():
         stats["alloc_before"] = torch.cuda.memory_stats().get("segment.all.allocated", 0)
     return _count_step(self, batch, seconds)
 
@@ -34,19 +36,28 @@ def on_gc(phase, info):
 
 
 stats: dict = {}
+_freeze = engine.freeze_long_lived_objects
+
+
+def freeze_and_mark():
+    """The bench freezes right before its timed run: the steps after this are the timed ones."""
+    _freeze()
+    stats["first_timed"], stats["first_timed_pause"] = len(steps), len(pauses)
+
+
+engine.freeze_long_lived_objects = freeze_and_mark
 Scheduler._count_step = count_step
 gc.callbacks.append(on_gc)
 main(["bench", "offline", *sys.argv[1:]])
-# the last run's steps: the timed one follows the warm-up's
-first_timed = max(0, len(steps) - 1023 - 18)
+first_timed = stats["first_timed"]
 timed = steps[first_timed:]
 prefill = [(n, round(s * 1e3, 1)) for p, n, s in timed if p == Phase.PREFILL.value]
 print("prefill steps (batch size, ms):", prefill)
 print("first decode steps ms:", [round(s * 1e3, 1) for p, n, s in timed if p != Phase.PREFILL.value][:10])
-timed_pauses = [(g, d, i - first_timed) for g, d, i in pauses if i >= first_timed]
+timed_pauses = [(g, d, i - first_timed) for g, d, i in pauses[stats["first_timed_pause"]:]]
 print("gc pauses in the timed run (generation, ms, step) > 1 ms:",
       [(g, round(d * 1e3, 1), i) for g, d, i in timed_pauses if d > 1e-3],
       "total", round(sum(d for _, d, _ in timed_pauses) * 1e3, 1), "ms in", len(timed_pauses))
 if torch.cuda.is_available():
-    print("cuda segments allocated since the first step:",
+    print("cuda segments allocated in the timed run:",
           torch.cuda.memory_stats().get("segment.all.allocated", 0) - stats.get("alloc_before", 0))
