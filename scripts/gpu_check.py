@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import os
 import random
 import sys
@@ -37,11 +38,10 @@ if importlib.util.find_spec("msgspec") is None:
 
 from kernel_cases import make_paged_batch  # noqa: E402
 
-from minfer.kernels import attention_decode, attention_extend  # noqa: E402
+from minfer.kernels import attention_decode, attention_extend, gemm  # noqa: E402
 from minfer.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from minfer.kernels.attention_decode import decode_attention, decode_attention_reference  # noqa: E402
 from minfer.kernels.attention_extend import extend_attention, extend_attention_reference  # noqa: E402
-from minfer.kernels import gemm  # noqa: E402
 from minfer.kernels.norm import rmsnorm, rmsnorm_reference  # noqa: E402
 from minfer.kernels.rope_store import rope_store  # noqa: E402
 from minfer.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -388,6 +388,23 @@ def rotated_graph_us(make_call, weights: list[torch.Tensor], reps: int = 10) -> 
     return sorted(times)[len(times) // 2]
 
 
+def gemm_configs_us(x: torch.Tensor, weights: list[torch.Tensor]) -> list[tuple[float, tuple]]:
+    """(us, config) of the split-K GEMM for tiles 16-64 x 32-128, BK 64/128, 1-16 K splits
+    and 3-4 stages; tiles taller than the batch and more splits than K blocks are skipped."""
+    m, k = x.shape
+    results = []
+    for bm, bn, bk, split, stages in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (1, 2, 4, 8, 16),
+                                                       (3, 4)):
+        if bm > max(16, triton.next_power_of_2(m)) or k // bk < split:
+            continue
+        cfg = (bm, bn, bk, split, 4, stages)
+        try:
+            results.append((rotated_graph_us(lambda w: gemm.linear(x, w, config=cfg), weights, reps=4), cfg))
+        except Exception as e:  # e.g. out of shared memory
+            print(f"    {cfg}: {type(e).__name__}", flush=True)
+    return results
+
+
 def gemm_sweep(full: bool) -> None:
     """Decode-shaped GEMMs: cuBLAS (F.linear) against minfer.kernels.gemm with its default
     configuration and, with `full`, a sweep of tile sizes and K splits. Weights from HBM."""
@@ -418,25 +435,7 @@ def gemm_sweep(full: bool) -> None:
                 line = f"  {model:10s} {name:7s} M={m:3d} N={n:5d} K={k:5d} floor {floor:6.1f}  cublas {cublas:6.1f}  " \
                        f"triton {ours:6.1f} {default}"
                 if full and model == "qwen3-0.6b" and m in (16, 64, 256):
-                    results = []
-                    for bm in (16, 32, 64):
-                        if bm > max(16, triton.next_power_of_2(m)):
-                            continue
-                        for bn in (32, 64, 128):
-                            for bk in (64, 128):
-                                for split in (1, 2, 4, 8, 16):
-                                    if k // bk < split:
-                                        continue
-                                    for stages in (3, 4):
-                                        cfg = (bm, bn, bk, split, 4, stages)
-                                        try:
-                                            us = rotated_graph_us(lambda w: gemm.linear(x, w, config=cfg), weights,
-                                                                  reps=4)
-                                        except Exception as e:  # e.g. out of shared memory
-                                            print(f"    {cfg}: {type(e).__name__}", flush=True)
-                                            continue
-                                        results.append((us, cfg))
-                    results.sort()
+                    results = sorted(gemm_configs_us(x, weights))
                     line += "  best " + "  ".join(f"{us:5.1f} {cfg}" for us, cfg in results[:3])
                 print(line, flush=True)
             del weights

@@ -20,13 +20,11 @@ are weighted zero by the merge. With one split the first pass writes the output 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import attend_blocks
+from minfer.kernels.common import attend_blocks, num_sms
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -121,11 +119,6 @@ def _decode_merge_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Splits per (request, kv head), from sizes that stay fixed while a CUDA graph replays.
 
@@ -134,7 +127,7 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, devi
     Measured on an H200 (Llama-8B heads, do_bench medians): B=1 at 32k context 88 us with 32
     splits, 95 us with 64, 102 us with 16; B=64 at mean context 1084 within 3% for 1..4 splits.
     """
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    sms = num_sms(device)
     want = triton.cdiv(2 * sms, batch_size * num_kv_heads)
     return max(1, min(want, MAX_SPLITS, triton.cdiv(max_context, BLOCK_N)))
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -12,6 +14,15 @@ import triton.language as tl
 # under the interpreter dot operands are widened to fp32 first. Read once, at import: the
 # interpreter itself is chosen when the kernels are defined.
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, which launch heuristics size grids by; off
+    CUDA (the interpreter) a small stand-in, so the tests exercise split launches."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
 
 
 @triton.jit

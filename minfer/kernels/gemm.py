@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import dot
+from minfer.kernels.common import dot, num_sms
 
 # Where this kernel was measured to match or beat cuBLAS on an H200 (scripts/gpu_check.py
 # --gemm): up to 64 rows, weights up to Qwen3-0.6B's largest (gate_up, 6144 x 1024). Llama-8B's
@@ -96,13 +96,6 @@ def _counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [k, n] GEMM.
 
@@ -140,7 +133,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    block_m, block_n, block_k, split_k, warps, stages = config or choose_config(m, n, k, _num_sms(x.device))
+    block_m, block_n, block_k, split_k, warps, stages = config or choose_config(m, n, k, num_sms(x.device))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # rounding K up to whole blocks may leave fewer splits
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
