@@ -49,6 +49,10 @@ class EngineConfig:
         "local port)")
     cuda_graph_max_bs: int = _opt(256, "largest decode batch captured in a CUDA graph; 0 disables graphs")
     disable_overlap_schedule: bool = _opt(False, "run the CPU scheduling and the GPU step one after the other")
+    check_kv_invariants: bool = _opt(
+        False, "after every scheduler step, check that every KV page is owned exactly once (free, prefix "
+        "cache, or one request) and stop loudly if not; slow, for debugging (env MINFER_CHECK_KV_INVARIANTS=1 "
+        "turns it on too; the tests do)")
     seed: int = _opt(0, "seed for requests that do not bring their own")
     trace_requests: str | None = _opt(None, "write a JSONL trace of every request's events to this file")
     log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))

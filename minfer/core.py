@@ -147,6 +147,10 @@ class Req:
     arrival_time: float = 0.0
     # Slots of the cached prefix this request borrowed from the prefix cache (its handle).
     cache_handle: object | None = None
+    # Leading positions whose pages belong to the prefix cache (locked through cache_handle):
+    # a match at admission, or the prompt handed over when its pass is launched. The request
+    # owns only the pages after them, and must never free these.
+    shared_len: int = 0
     preempted: bool = False  # sent back to the queue; its next admission is a resume
     # Prompt logprobs by position (entry p scores token p + 1), filled chunk by chunk during
     # prefill when params.prompt_logprobs is set, sent with the first token.

@@ -12,6 +12,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# Every scheduler step in the tests (in-process engines and the servers they start, which inherit
+# the environment) checks that each KV page is owned exactly once (KVManager.check).
+os.environ.setdefault("MINFER_CHECK_KV_INVARIANTS", "1")
+
 from tiny_models import ARCHS, save_tiny_model
 
 

@@ -20,6 +20,11 @@ class PageAllocator:
     def num_free_pages(self) -> int:
         return len(self._free)
 
+    @property
+    def free_page_ids(self) -> list[int]:
+        """The free list itself (read-only use: the invariant check counts it)."""
+        return self._free
+
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfSlotsError(f"asked for {n} pages, {len(self._free)} free")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from minfer.core import Req
 from minfer.kvcache.allocator import OutOfSlotsError, PageAllocator
 from minfer.kvcache.page_table import PageTable
-from minfer.kvcache.prefix_cache import NaiveCache, PrefixCache
+from minfer.kvcache.prefix_cache import KVInvariantError, NaiveCache, PrefixCache
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -66,6 +66,7 @@ class KVManager:
         match = self.prefix_cache.match(req.token_ids[:known])
         req.cache_handle = match.handle
         req.cached_len = len(match.slots)
+        req.shared_len = len(match.slots) if match.handle is not None else 0
         if match.slots:
             n = len(match.slots)
             self.page_table.write_slots([req.table_idx] * n, list(range(n)), match.slots)
@@ -118,6 +119,7 @@ class KVManager:
         slots = self.page_table.row_slots(req.table_idx, aligned).tolist()
         match = self.prefix_cache.insert_and_lock(req.token_ids[:aligned], slots, req.cache_handle)
         req.cache_handle = match.handle
+        req.shared_len = aligned if match.handle is not None else 0  # the tree owns these pages now
         if match.slots == slots:
             return []
         changed = [i for i, (a, b) in enumerate(zip(slots, match.slots)) if a != b]
@@ -131,10 +133,13 @@ class KVManager:
         In overlap mode the pool may hold K/V one step ahead of the tokens the CPU has seen
         (a pass still in flight); a finished request's last sampled token never keeps a slot,
         so its final state is cached_len = prompt + output - 1 as DESIGN.md defines.
+        What the prefix cache already owns (`shared_len`) is kept whatever the request's state:
+        a request aborted while its prompt pass is in flight has handed the whole prompt to the
+        cache, although its first token never reached the CPU.
         """
         ps = self.page_size
         allocated = req.cached_len
-        keep = min(allocated, len(req.token_ids) - (1 if req.finished else 0))
+        keep = max(req.shared_len, min(allocated, len(req.token_ids) - (1 if req.finished else 0)))
         slots = self.page_table.row_slots(req.table_idx, allocated).tolist()
         aligned = (keep // ps) * ps
         self.prefix_cache.insert(req.token_ids[:aligned], slots[:aligned], req.cache_handle)
@@ -142,9 +147,56 @@ class KVManager:
             self.allocator.free(self.allocator.pages_of_slots(slots[aligned:]))
         req.cached_len = keep
         req.cache_handle = None
+        req.shared_len = 0
         self.page_table.give_back_row(req.table_idx)
         req.table_idx = -1
         return slots  # every slot the request held, for the trace: [:aligned] cached, rest freed
+
+    def check(self, holders: list[Req]) -> None:
+        """The page invariant: every page is on the free list, in the prefix cache, or in the
+        private tail of exactly one request that holds a row (`holders`: every such request),
+        and nothing else. Also checks rows and the cache's locks. Raises KVInvariantError.
+
+        A request's row maps positions [0, shared_len) to the cache's pages (its lock) and
+        [shared_len, cached_len) to pages of its own.
+        """
+        owners: dict[int, str] = {}
+
+        def claim(pages, owner: str) -> None:
+            for page in pages:
+                if not 0 <= page < self.num_pages:
+                    raise KVInvariantError(f"page {page} ({owner}) is outside the pool of {self.num_pages}")
+                if page in owners:
+                    raise KVInvariantError(f"page {page} is owned twice: by {owners[page]} and by {owner}")
+                owners[page] = owner
+
+        claim(self.allocator.free_page_ids, "the free list")
+        claim(self.prefix_cache.audit([r.cache_handle for r in holders if r.cache_handle is not None]),
+              "the prefix cache")
+        rows = set()
+        for req in holders:
+            if req.table_idx < 0 or req.table_idx in rows:
+                raise KVInvariantError(f"request {req.uid} holds row {req.table_idx}, invalid or shared")
+            rows.add(req.table_idx)
+            if not req.shared_len <= req.cached_len <= self.page_table.max_len or req.shared_len % self.page_size:
+                raise KVInvariantError(f"request {req.uid}: shared_len {req.shared_len}, cached_len {req.cached_len}")
+            row = self.page_table.row_slots(req.table_idx, req.cached_len).tolist()
+            if row[:req.shared_len] != self.prefix_cache.handle_slots(req.cache_handle):
+                raise KVInvariantError(f"request {req.uid}: its first {req.shared_len} slots are not the "
+                                       f"ones its prefix-cache lock holds")
+            own = row[req.shared_len:]
+            pages = self.allocator.pages_of_slots(own)
+            ps = self.page_size
+            if ps > 1 and own != [page * ps + i for page in pages for i in range(ps)][:len(own)]:
+                raise KVInvariantError(f"request {req.uid}: its slots do not fill whole pages in order")
+            claim(pages, f"request {req.uid}")
+        if len(owners) != self.num_pages:
+            lost = sorted(set(range(self.num_pages)) - set(owners))
+            raise KVInvariantError(f"{len(lost)} pages are owned by no one (first: {lost[:5]})")
+        if self.page_table.num_free_rows + len(rows) != self.page_table.max_rows \
+                or rows & set(self.page_table.free_row_ids):
+            raise KVInvariantError(f"{len(rows)} rows held and {self.page_table.num_free_rows} free, "
+                                   f"of {self.page_table.max_rows}")
 
     @property
     def used_pages(self) -> int:

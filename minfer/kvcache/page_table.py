@@ -36,6 +36,10 @@ class PageTable:
     def num_free_rows(self) -> int:
         return len(self._free_rows)
 
+    @property
+    def free_row_ids(self) -> list[int]:
+        return self._free_rows
+
     def take_row(self) -> int:
         return self._free_rows.pop()
 

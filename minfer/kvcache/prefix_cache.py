@@ -14,6 +14,11 @@ from typing import Protocol
 from minfer.kvcache.allocator import PageAllocator
 
 
+class KVInvariantError(RuntimeError):
+    """The KV bookkeeping disagrees with itself (a page owned twice or by no one, a wrong lock
+    count): outputs computed from here on could be silently wrong, so this is never caught."""
+
+
 @dataclass
 class PrefixMatch:
     """`slots` hold K/V of the first `len(slots)` tokens; `handle` locks them while in use."""
@@ -57,6 +62,13 @@ class PrefixCache(Protocol):
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` unlocked pages, least recently used first; returns how many."""
 
+    def audit(self, handles: list[object]) -> list[int]:
+        """Check the cache's own counts against the locks `handles` hold (one per request that
+        holds one); returns every page the cache owns. Raises KVInvariantError."""
+
+    def handle_slots(self, handle: object | None) -> list[int]:
+        """The slots of the prefix a handle locks, in position order."""
+
     @property
     def evictable_pages(self) -> int: ...
 
@@ -89,6 +101,14 @@ class NaiveCache:
 
     def evict(self, num_pages: int) -> int:
         return 0
+
+    def audit(self, handles: list[object]) -> list[int]:
+        if any(h is not None for h in handles):
+            raise KVInvariantError("the naive cache hands out no locks, but a request holds one")
+        return []
+
+    def handle_slots(self, handle: object | None) -> list[int]:
+        return []
 
     @property
     def evictable_pages(self) -> int:

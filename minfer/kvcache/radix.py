@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 
 from minfer.kvcache.allocator import PageAllocator
-from minfer.kvcache.prefix_cache import CacheCounters, PrefixMatch
+from minfer.kvcache.prefix_cache import CacheCounters, KVInvariantError, PrefixMatch
 
 
 class _Node:
@@ -108,6 +108,46 @@ class RadixCache:
         self._evictable_pages -= freed
         self.counters.evicted_pages += freed
         return freed
+
+    def audit(self, handles: list[object]) -> list[int]:
+        """Recount locks, cached and evictable pages from the tree itself; returns its pages."""
+        ps = self.page_size
+        expected_locks: dict[int, int] = {}
+        for handle in handles:
+            node = handle
+            while node is not None and node is not self._root:
+                expected_locks[id(node)] = expected_locks.get(id(node), 0) + 1
+                node = node.parent
+        pages, evictable, seen = [], 0, 0
+        for node in self._nodes():
+            seen += 1
+            if not node.slots or len(node.slots) != len(node.token_ids) or len(node.slots) % ps:
+                raise KVInvariantError(f"a radix node holds {len(node.token_ids)} tokens and "
+                                       f"{len(node.slots)} slots (page size {ps})")
+            node_pages = self.allocator.pages_of_slots(node.slots)
+            for i, page in enumerate(node_pages):
+                if node.slots[i * ps:(i + 1) * ps] != list(range(page * ps, page * ps + ps)):
+                    raise KVInvariantError(f"radix node slots {node.slots[i * ps:(i + 1) * ps]} are not page {page}")
+            if node.lock_count != expected_locks.get(id(node), 0):
+                raise KVInvariantError(f"a radix node has lock count {node.lock_count} but "
+                                       f"{expected_locks.get(id(node), 0)} requests hold it")
+            if node.lock_count == 0:
+                evictable += len(node_pages)
+            pages.extend(node_pages)
+        if len(expected_locks) > seen:
+            raise KVInvariantError("a request holds a lock on a node that is no longer in the tree")
+        if (len(pages), evictable) != (self._cached_pages, self._evictable_pages):
+            raise KVInvariantError(f"the radix tree holds {len(pages)} pages ({evictable} evictable) but "
+                                   f"counts {self._cached_pages} ({self._evictable_pages} evictable)")
+        return pages
+
+    def handle_slots(self, handle: object | None) -> list[int]:
+        path = []
+        node = handle
+        while node is not None and node is not self._root:
+            path.append(node)
+            node = node.parent
+        return [s for node in reversed(path) for s in node.slots]
 
     @property
     def evictable_pages(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import time
 from collections import deque
@@ -23,6 +24,7 @@ from minfer.config import EngineConfig
 from minfer.core import Batch, InvalidRequestError, Phase, Req, SamplingParams, TokenLogprobs
 from minfer.engine.engine import Engine, ForwardResult
 from minfer.kvcache.manager import KVManager
+from minfer.kvcache.prefix_cache import KVInvariantError
 from minfer.observability.trace import NULL_TRACER, RequestTracer, slot_ranges
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,8 @@ class Scheduler:
         self.by_uid: dict[int, Req] = {}
         self.in_flight: tuple[Batch, ForwardResult] | None = None  # launched, tokens not read yet
         self.counters = SchedulerCounters()
+        self.check_kv = (self.config.check_kv_invariants
+                         or os.environ.get("MINFER_CHECK_KV_INVARIANTS", "") not in ("", "0"))
         self._seed_source = random.Random(self.config.seed)
         self._uids = itertools.count()
         if self.tracer.enabled:  # uid -1: the run itself, so readers know the pool's geometry
@@ -303,7 +307,19 @@ class Scheduler:
             else:
                 outputs += self.process(*launched)
             self._count_step(batch, time.perf_counter() - start)
+        if self.check_kv:
+            self.check_invariants()
         return outputs
+
+    def check_invariants(self) -> None:
+        """Page ownership (KVManager.check) and queue membership; raises KVInvariantError."""
+        holders = self.prefilling + self.running
+        queued = list(self.waiting) + holders
+        if len({id(r) for r in queued}) != len(queued) or {r.uid for r in queued} != set(self.by_uid):
+            raise KVInvariantError("a request is in two queues, or known but in none")
+        if any(r.table_idx >= 0 for r in self.waiting):
+            raise KVInvariantError("a waiting request holds a page-table row")
+        self.kv.check(holders)
 
     def _trace_scheduled(self, batch: Batch) -> None:
         start = 0
