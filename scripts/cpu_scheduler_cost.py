@@ -15,11 +15,11 @@ prompts, params = make_workload()
 for p, sp in zip(prompts, params):
     s.add_request(p, sp)
 while s.waiting or s.prefilling:
-    b = s.schedule_prefill(); b.out_loc = s.kv.allocate(b.reqs, b.extend_lens); s.advance(b)
+    b = s.prefill.plan(); b.out_loc = s.kv.allocate(b.reqs, b.extend_lens); s.advance(b)
 pr = cProfile.Profile(); pr.enable()
 t = time.perf_counter(); n = 50
 for _ in range(n):
-    b = s.schedule_decode(); b.out_loc = s.kv.allocate(b.reqs, b.extend_lens)
+    b = s.decode.plan(); b.out_loc = s.kv.allocate(b.reqs, b.extend_lens)
     st = SamplingTensors.build([r.params for r in b.reqs], [r.seed for r in b.reqs], [r.device_len for r in b.reqs], 10001, llm.engine.device)
     s.advance(b)
 pr.disable()

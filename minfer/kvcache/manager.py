@@ -71,6 +71,27 @@ class KVManager:
             n = len(match.slots)
             self.page_table.write_slots([req.table_idx] * n, list(range(n)), match.slots)
 
+    def try_admit(self, req: Req, max_chunk: int, free_pages: int, reserve_pages: int) -> tuple[int, int] | None:
+        """Admit `req` if its first chunk (at most `max_chunk` tokens) fits in `free_pages` with
+        `reserve_pages` more kept for it; returns (chunk length, pages this admission costs).
+
+        The cost counts the matched prefix too: once locked, its pages can no longer be evicted
+        to make room. If it does not fit, the admission is undone (row, lock, and the cache's
+        query counters, so a prefix query is counted once, when the request really starts).
+        """
+        cache = self.prefix_cache
+        evictable_before = cache.evictable_pages
+        counted = (cache.counters.queried_tokens, cache.counters.hit_tokens)
+        self.admit(req)
+        chunk = min(req.extend_len, max_chunk)
+        cost = evictable_before - cache.evictable_pages + self.pages_needed(req, chunk) + reserve_pages
+        if cost > free_pages:
+            self.release(req)
+            req.cached_len = 0
+            cache.counters.queried_tokens, cache.counters.hit_tokens = counted
+            return None
+        return chunk, cost
+
     def allocate(self, reqs: list[Req], extend_lens: list[int]) -> list[int]:
         """Allocate slots for each request's next `extend_lens[i]` positions; returns out_loc.
 

@@ -1,0 +1,85 @@
+"""Result processing: a finished pass's tokens reach the CPU; append them and decide who ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minfer.core import Batch, Req, TokenLogprobs
+from minfer.engine.engine import ForwardResult
+from minfer.observability.scheduler_trace import NullSchedulerTrace
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: a new token and/or the end of the request."""
+
+    uid: int
+    token_id: int | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None  # the stop token id that ended it, when one did
+    logprobs: TokenLogprobs | None = None  # of token_id, when the request asked
+    prompt_logprobs: TokenLogprobs | None = None  # with the first token, when the request asked
+
+
+def read_results(batch: Batch, result: ForwardResult, max_model_len: int,
+                 trace: NullSchedulerTrace) -> tuple[list[StepOutput], list[tuple[Req, str]]]:
+    """Append each sampled token to its request; returns the outputs and the requests that
+    end with them (and why), for the scheduler to finish."""
+    outputs, ending = [], []
+    tokens = result.tokens()
+    sampled_logprobs, prompt_logprobs = result.logprobs()
+    for i, first, rows in prompt_logprobs:
+        req = batch.reqs[i]
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = {}
+        req.prompt_logprobs.update(zip(range(first, first + len(rows)), rows))
+    trace.forward_done(batch)
+    for i, token in zip(result.sampled_rows, tokens):
+        req = batch.reqs[i]
+        if req.finished:
+            continue  # aborted, or ended by the previous pass while this one was in flight
+        trace.token_sampled(req, token)
+        req.token_ids.append(token)
+        reason, stop_reason = finish_reason(req, token, max_model_len)
+        if req.grammar is not None and not reason:
+            req.grammar.accept_token(token)
+            if req.grammar.is_terminated():
+                reason = "stop"
+        if reason:
+            ending.append((req, reason))
+        out = StepOutput(req.uid, token, reason, stop_reason)
+        if i in sampled_logprobs:
+            logprob, top_ids, top_values = sampled_logprobs[i]
+            k = req.params.logprobs
+            out.logprobs = TokenLogprobs([token], [logprob], [top_ids[:k]], [top_values[:k]])
+        if req.output_len == 1 and req.params.prompt_logprobs is not None:
+            out.prompt_logprobs = prompt_logprobs_of(req)
+        outputs.append(out)
+    return outputs, ending
+
+
+def finish_reason(req: Req, token: int, max_model_len: int) -> tuple[str | None, int | None]:
+    """Why the request ends with `token` (just appended), and the stop token id if one did it."""
+    p = req.params
+    if req.output_len >= p.min_tokens:
+        if token in p.stop_token_ids:
+            return "stop", token
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return "stop", None
+    if req.output_len >= p.max_tokens or req.device_len >= max_model_len:
+        return "length", None
+    return None, None
+
+
+def prompt_logprobs_of(req: Req) -> TokenLogprobs:
+    """The prompt's logprobs, gathered chunk by chunk during prefill; nothing scores the first token."""
+    k = req.params.prompt_logprobs
+    scored = req.prompt_logprobs or {}
+    out = TokenLogprobs(list(req.token_ids[:req.prompt_len]), [None], [[]], [[]])
+    for position in range(req.prompt_len - 1):
+        logprob, top_ids, top_values = scored[position]
+        out.logprobs.append(logprob)
+        out.top_ids.append(top_ids[:k])
+        out.top_logprobs.append(top_values[:k])
+    req.prompt_logprobs = None
+    return out
