@@ -11,6 +11,7 @@ from minfer.core import InvalidRequestError, RequestOutput, SamplingParams, Toke
 from minfer.distributed.ranks import run_worker_node, start_rank_zero
 from minfer.engine.engine import Engine
 from minfer.scheduler.scheduler import Scheduler
+from minfer.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class LLM:
             reqs.append(sched.add_request(ids, p))
             self.tp_leader.requests_added(reqs[-1:])  # the other TP ranks add it before the next step
         pending = {r.uid for r in reqs}
+        by_uid = {r.uid: r for r in reqs}
         bar = None
         if use_tqdm and len(reqs) > 1:
             from tqdm import tqdm
@@ -104,8 +106,21 @@ class LLM:
             bar = tqdm(total=len(reqs), desc="generating", unit="req")
         logprobs = {r.uid: TokenLogprobs() for r in reqs if r.params.logprobs is not None}
         prompt_logprobs = {}
+        # Stop strings are found in the text, as the server's tokenizer worker does: the request
+        # ends (its KV freed at once) with the token that completes one, and the text stops before it.
+        stop_texts = {r.uid: IncrementalDetokenizer(self.tokenizer, r.params.stop)
+                      for r in reqs if r.params.stop and self.tokenizer is not None}
         while pending:
             for out in self.tp_leader.step(sched):
+                detok = stop_texts.get(out.uid)
+                if detok is not None and out.token_id is not None:
+                    detok.add(out.token_id)
+                    if detok.matched_stop is not None and not out.finish_reason:
+                        sched.abort(out.uid)
+                        self.tp_leader.request_aborted(out.uid)
+                        out.finish_reason = "stop"
+                    if out.finish_reason:
+                        by_uid[out.uid].finish_reason = "stop" if detok.matched_stop else out.finish_reason
                 if out.logprobs is not None and out.uid in logprobs:
                     logprobs[out.uid].extend(out.logprobs)
                 if out.prompt_logprobs is not None:
@@ -116,5 +131,6 @@ class LLM:
                         bar.update(1)
         if bar:
             bar.close()
-        return [RequestOutput(r.uid, r.token_ids[:r.prompt_len], r.output_ids, self.decode(r.output_ids),
+        return [RequestOutput(r.uid, r.token_ids[:r.prompt_len], r.output_ids,
+                              stop_texts[r.uid].text if r.uid in stop_texts else self.decode(r.output_ids),
                               r.finish_reason, logprobs.get(r.uid), prompt_logprobs.get(r.uid)) for r in reqs]
