@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from minfer.config import EngineConfig, ServerConfig, add_config_args, config_from_kwargs
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from minfer.server.launch import serve
 
-        server_names = ("host", "port", "served_model_name")
+        server_names = tuple(f.name for f in dataclasses.fields(ServerConfig))
         server_cfg = config_from_kwargs(ServerConfig, {k: v for k, v in vars(args).items() if k in server_names})
         return serve(_engine_config(args, server_names), server_cfg)
     if args.command == "shell":

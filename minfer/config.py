@@ -66,6 +66,16 @@ class ServerConfig:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on")
     served_model_name: str | None = _opt(None, "model name reported by /v1/models (default: the model path)")
+    api_key: str | None = _opt(
+        None, "require `Authorization: Bearer KEY` on every endpoint but /health and /metrics (default: the "
+        "MINFER_API_KEY environment variable; unset: no key)")
+    metrics_require_key: bool = _opt(False, "with an API key, require it on /metrics too")
+    max_request_bytes: int = _opt(4 * 2**20, "largest request body in bytes; a larger one is refused with 413 "
+                                  "while it is read")
+    max_batch_prompts: int = _opt(128, "most engine requests one body may make (prompts in a list, times n); "
+                                  "past it: 400")
+    request_read_timeout: float = _opt(30.0, "seconds a client has to send a request's headers and body; a "
+                                       "connection still sending after that is closed")
 
 
 # Values used when a field above is left at None and the device is a CPU.

@@ -15,11 +15,14 @@ import msgspec
 
 
 class InvalidRequestError(ValueError):
-    """A request that can never be served as asked; the message names the field and the limit."""
+    """A request that can never be served as asked; the message names the field and the limit.
 
-    def __init__(self, message: str, param: str | None = None):
+    `code` is OpenAI's machine-readable error code where one applies (context_length_exceeded)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 # Most top logprobs one token may ask for (OpenAI's chat limit; each costs a top-k on the device).

@@ -48,8 +48,10 @@ def pid_alive(pid: int) -> bool:
 class Server:
     """`python -m minfer serve ...` on a free port; its output goes to a log file."""
 
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 180.0, env: dict | None = None):
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 180.0, env: dict | None = None,
+                 auth: str | None = None):
         self.port = free_port()
+        self.headers = {"Authorization": f"Bearer {auth}"} if auth else {}  # sent by info() and post()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 - open while the server runs
@@ -78,14 +80,14 @@ class Server:
         raise RuntimeError(f"server not healthy after {timeout} s:\n{self.output()}")
 
     def info(self) -> dict:
-        return httpx.get(self.url + "/v1/server_info", timeout=10).json()
+        return httpx.get(self.url + "/v1/server_info", headers=self.headers, timeout=10).json()
 
     def post(self, path: str, body=None, **kwargs) -> httpx.Response:
         """POST `body` as JSON; bytes are sent as they are (for bodies json.dumps refuses: NaN)."""
         if isinstance(body, bytes):
             return httpx.post(self.url + path, content=body, timeout=60,
-                              headers={"content-type": "application/json"}, **kwargs)
-        return httpx.post(self.url + path, json=body, timeout=60, **kwargs)
+                              headers={"content-type": "application/json", **self.headers}, **kwargs)
+        return httpx.post(self.url + path, json=body, timeout=60, headers=self.headers, **kwargs)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:

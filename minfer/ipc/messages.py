@@ -93,6 +93,7 @@ class RequestFailed(Message):
     message: str
     param: str | None = None
     status: int = 400
+    code: str | None = None  # OpenAI's error code (context_length_exceeded), from InvalidRequestError
 
 
 class InfoReply(Message):

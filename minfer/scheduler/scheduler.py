@@ -120,7 +120,7 @@ class Scheduler:
             raise InvalidRequestError(
                 f"this model's maximum context length is {max_len} tokens, but the request has "
                 f"{len(token_ids)} prompt tokens and max_tokens={params.max_tokens} "
-                f"({len(token_ids) + params.max_tokens} in total)", "max_tokens")
+                f"({len(token_ids) + params.max_tokens} in total)", "max_tokens", "context_length_exceeded")
         # A request alone in the pool must be able to finish, or preemption could not help it.
         pool_tokens = (self.kv.num_pages - self.decode_reserve_pages) * self.config.page_size
         if len(token_ids) + params.max_tokens > pool_tokens:

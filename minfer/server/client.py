@@ -147,8 +147,7 @@ class RequestGroup:
             if isinstance(event, m.RequestFailed):
                 self.open.discard(event.uid)
                 self.close()
-                raise APIError(event.status, event.message, event.param,
-                               "context_length_exceeded" if "context length" in event.message else None)
+                raise APIError(event.status, event.message, event.param, event.code)
             pending.discard(event.uid)
             if event.finish_reason is not None:
                 self.open.discard(event.uid)

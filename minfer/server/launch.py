@@ -144,7 +144,7 @@ async def _serve_http(engine_cfg: EngineConfig, server_cfg: ServerConfig, ready:
                       api_inbox: zmq.Socket, to_tokenizer: zmq.Socket) -> int:
     import uvicorn
 
-    from minfer.server.api import ServerState, build_app
+    from minfer.server.api import ServerState, build_app, uvicorn_options
 
     # This process starts the run, so it empties the trace file the workers append to.
     tracer = RequestTracer(engine_cfg.trace_requests, truncate=True) if engine_cfg.trace_requests else NULL_TRACER
@@ -156,7 +156,7 @@ async def _serve_http(engine_cfg: EngineConfig, server_cfg: ServerConfig, ready:
                         tokenizer_info=ready["tokenizer"], workers=workers.procs)
     config = uvicorn.Config(build_app(state), host=server_cfg.host, port=server_cfg.port,
                             log_level=engine_cfg.log_level, access_log=engine_cfg.log_level == "debug",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **uvicorn_options(server_cfg))
     server = uvicorn.Server(config)
     watchdog = asyncio.create_task(_watch(server, state, workers, info["memory_line"]))
     await server.serve()
