@@ -8,9 +8,9 @@ from typing import Sequence
 
 from minfer.config import EngineConfig, config_from_kwargs
 from minfer.core import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
-from minfer.distributed.ranks import run_worker_node, start_rank_zero
+from minfer.runner.ranks import run_worker_node
+from minfer.runner.runner import Runner
 from minfer.engine.engine import Engine
-from minfer.scheduler.scheduler import Scheduler
 from minfer.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -30,22 +30,16 @@ class LLM:
         logging.basicConfig(level=self.config.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
         if self.config.node_rank > 0:  # a worker node of a multi-node job has nothing else to do
             raise SystemExit(run_worker_node(self.config))
-        # With tp > 1 this process is rank 0 and starts this node's other ranks; the leader
-        # broadcasts each step's request changes to them.
-        self.tp_leader = start_rank_zero(self.config, spawn_followers=True)
-        weakref.finalize(self, self.tp_leader.shutdown)
-        try:
-            self.engine = Engine(self.config, self.tp_leader.tp)
-            self.scheduler = Scheduler(self.engine)
-            self.tp_leader.agree(self.engine)
-        except BaseException:
-            self.tp_leader.shutdown(graceful=False)
-            raise
+        # With tp > 1 this process is rank 0 and starts this node's other ranks.
+        self.runner = Runner(self.config)
+        weakref.finalize(self, self.runner.shutdown)
+        self.engine: Engine = self.runner.engine
+        self.scheduler = self.runner.scheduler
         self.tokenizer = self.engine.tokenizer
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (also done at exit); a no-op with tp=1."""
-        self.tp_leader.shutdown()
+        self.runner.shutdown()
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -90,13 +84,10 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        sched = self.scheduler
+        runner = self.runner
         for p in params:
             p.validate()  # all or nothing: reject before queueing any
-        reqs = []
-        for ids, p in zip(prompts, params):
-            reqs.append(sched.add_request(ids, p))
-            self.tp_leader.requests_added(reqs[-1:])  # the other TP ranks add it before the next step
+        reqs = [runner.add(ids, p) for ids, p in zip(prompts, params)]
         pending = {r.uid for r in reqs}
         by_uid = {r.uid: r for r in reqs}
         bar = None
@@ -111,13 +102,12 @@ class LLM:
         stop_texts = {r.uid: IncrementalDetokenizer(self.tokenizer, r.params.stop)
                       for r in reqs if r.params.stop and self.tokenizer is not None}
         while pending:
-            for out in self.tp_leader.step(sched):
+            for out in runner.step():
                 detok = stop_texts.get(out.uid)
                 if detok is not None and out.token_id is not None:
                     detok.add(out.token_id)
                     if detok.matched_stop is not None and not out.finish_reason:
-                        sched.abort(out.uid)
-                        self.tp_leader.request_aborted(out.uid)
+                        runner.abort(out.uid)
                         out.finish_reason = "stop"
                     if out.finish_reason:
                         by_uid[out.uid].finish_reason = "stop" if detok.matched_stop else out.finish_reason

@@ -23,7 +23,7 @@ from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
 from minfer.observability.metrics import RequestTimer, StatsLogger, scheduler_stats
 
 if TYPE_CHECKING:  # the api server imports this module to spawn it; torch loads in the child only
-    from minfer.distributed.step_sync import StepLeader
+    from minfer.runner.step_sync import StepLeader
     from minfer.scheduler.scheduler import Scheduler, StepOutput
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class SchedulerLoop:
         self.send_out = send_out
         if tp_leader is None:
             from minfer.distributed.parallel import SINGLE
-            from minfer.distributed.step_sync import StepLeader
+            from minfer.runner.step_sync import StepLeader
 
             tp_leader = StepLeader(SINGLE)
         # With tensor parallelism, request changes reach the other ranks through the leader.
@@ -132,7 +132,7 @@ def run_scheduler_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
     sock = inbox(ctx, endpoints.scheduler)
     to_tokenizer = outbox(ctx, endpoints.tokenizer)
     try:
-        from minfer.distributed.ranks import start_rank_zero
+        from minfer.runner.ranks import start_rank_zero
         from minfer.engine.engine import Engine, freeze_long_lived_objects
         from minfer.scheduler.scheduler import Scheduler
 

@@ -24,7 +24,7 @@ import time
 import zmq
 
 from minfer.config import EngineConfig, ServerConfig
-from minfer.distributed.ranks import free_local_addr, run_follower_rank, run_worker_node
+from minfer.runner.ranks import free_local_addr, run_follower_rank, run_worker_node
 from minfer.ipc import messages as m
 from minfer.ipc.process import dead_workers
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready

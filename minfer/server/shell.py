@@ -23,13 +23,13 @@ MAX_REPLY_TOKENS = 1024
 
 def stream_reply(llm, prompt_ids: list[int], params: SamplingParams, write=sys.stdout.write) -> str:
     """Generate one reply, writing each final piece of text as it comes; Ctrl-C stops it early."""
-    scheduler = llm.scheduler
-    req = scheduler.add_request(prompt_ids, params)
+    runner = llm.runner  # through the Runner, so that tensor-parallel ranks get the request too
+    req = runner.add(prompt_ids, params)
     detok = IncrementalDetokenizer(llm.tokenizer)
     try:
         done = False
         while not done:
-            for out in scheduler.step():
+            for out in runner.step():
                 if out.uid != req.uid:
                     continue
                 if out.token_id is not None:
@@ -37,9 +37,8 @@ def stream_reply(llm, prompt_ids: list[int], params: SamplingParams, write=sys.s
                     sys.stdout.flush()
                 done = done or out.finish_reason is not None
     except KeyboardInterrupt:
-        scheduler.abort(req.uid)
-        while scheduler.has_work:  # let a pass still in flight finish
-            scheduler.step()
+        runner.abort(req.uid)
+        runner.drain()  # let a pass still in flight finish
         write(" [stopped]")
     write(detok.flush() + "\n")
     return detok.text

@@ -9,7 +9,7 @@ allreduce      NCCL all-reduce of one decode step's activations ([B, hidden] bf1
                all-reduces; all-gather of the logits vs of sampled tokens.
 parity         tiny models of every architecture: tp=2 (NCCL, Triton, CUDA graphs) generates the
                tokens of tp=1 on the same GPU; every step's tokens are also checked across ranks
-               (the CRC check of distributed/step_sync.py).
+               (the CRC check of runner/step_sync.py).
 bench-profile  `minfer bench offline MODEL --tp 2` in this process, then torch.profiler over
                steady decode steps: time in NCCL kernels per step on rank 0.
 """
@@ -109,7 +109,7 @@ def _allreduce_worker(rank: int, port: int, out_path: str) -> None:
 def allreduce(out_dir: str) -> None:
     import torch.multiprocessing as mp
 
-    from minfer.distributed.ranks import free_local_addr
+    from minfer.runner.ranks import free_local_addr
 
     port = int(free_local_addr().rsplit(":", 1)[1])
     path = os.path.join(out_dir, "allreduce.json")
@@ -167,7 +167,7 @@ def _generate_both(path, prompts, params, device, dtype, tp, graphs, rows):
         graphs = 0
         llm = LLM(path, cuda_graph_max_bs=graphs, **options)
     tokens = [o.token_ids for p in params for o in llm.generate(prompts, p, use_tqdm=False)]
-    steps = llm.tp_leader.steps
+    steps = llm.runner.tp_leader.steps
     llm.shutdown()
     del llm
     if device == "cuda":
@@ -233,7 +233,7 @@ def profile_decode(llm, make_workload, out_dir: str, running: int, steps: int = 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    sched, leader = llm.scheduler, llm.tp_leader
+    sched, leader = llm.scheduler, llm.runner.tp_leader
     length = 1024 if running >= 64 else 32  # small: a CPU dry run of this script
     prompts, params = make_workload(running, length, length, seed=3)
     for p, sp in zip(prompts, params):

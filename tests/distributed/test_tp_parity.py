@@ -16,7 +16,7 @@ import pytest
 from tiny_models import save_tiny_model
 
 from minfer import LLM, SamplingParams
-from minfer.distributed.ranks import free_local_addr
+from minfer.runner.ranks import free_local_addr
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=7)
@@ -80,20 +80,15 @@ def test_abort_reaches_every_rank(model_dir):
     path = model_dir("mistral", 2)
 
     def drive(llm: LLM) -> list[list[int]]:
-        sched, leader = llm.scheduler, llm.tp_leader
-        reqs = [sched.add_request(p, GREEDY.__copy__()) for p in prompts(4)]
-        leader.requests_added(reqs)
+        runner = llm.runner
+        reqs = [runner.add(p, GREEDY.__copy__()) for p in prompts(4)]
         for step in range(12):
             if step == 3:
-                leader.request_aborted(reqs[1].uid)
-                sched.abort(reqs[1].uid)
+                runner.abort(reqs[1].uid)
             if step == 5:
-                late = sched.add_request(prompts(1, seed=9)[0], SAMPLED.__copy__())
-                leader.requests_added([late])
-                reqs.append(late)
-            leader.step(sched)
-        while sched.has_work:
-            leader.step(sched)
+                reqs.append(runner.add(prompts(1, seed=9)[0], SAMPLED.__copy__()))
+            runner.step()
+        runner.drain()
         llm.shutdown()
         return [r.output_ids for r in reqs]
 

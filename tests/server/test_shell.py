@@ -41,3 +41,19 @@ def test_fit_history_drops_oldest_exchanges(tiny_chat_model):
     assert len(ids) < 128 - 16
     assert history[-1]["content"] == "last" and history[0]["role"] == "user"
     assert len(history) % 2 == 1 and len(history) < 41
+
+
+def test_shell_reply_at_tp2_equals_tp1(tiny_chat_model):
+    """The shell drives its requests through the Runner: with tp=2 the other rank gets them too
+    (it used to call the scheduler directly, so rank 1 never saw the request and diverged)."""
+    from minfer.core import SamplingParams
+    from minfer.server.shell import stream_reply
+
+    replies = []
+    for tp in (1, 2):
+        llm = LLM(tiny_chat_model, kv_cache_tokens=2048, max_model_len=256, tp=tp, log_level="warning")
+        ids = llm.apply_chat_template([{"role": "user", "content": "hello there"}])
+        replies.append(stream_reply(llm, ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                    write=lambda _text: None))
+        llm.shutdown()
+    assert replies[0] == replies[1] and replies[0]

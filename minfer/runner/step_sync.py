@@ -30,7 +30,7 @@ from minfer.distributed.faults import fault_point
 from minfer.distributed.parallel import TensorParallelError, TPGroup, leave_tp_group
 
 if TYPE_CHECKING:
-    from minfer.distributed.ranks import LocalRanks
+    from minfer.runner.ranks import LocalRanks
     from minfer.engine.engine import Engine
     from minfer.scheduler.scheduler import Scheduler, StepOutput
 

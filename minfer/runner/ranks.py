@@ -2,10 +2,10 @@
 
 Rank 0 is the process that hears from users: the `LLM(...)` caller (offline API) or the
 scheduler worker (`minfer serve`). Ranks 1..N-1 are followers (`follower_main`): each loads its
-shard of the model and replays rank 0's scheduling decisions (distributed/step_sync.py).
+shard of the model and replays rank 0's scheduling decisions (runner/step_sync.py).
 
 Who starts the followers of a node:
-  - offline API on node 0: `start_rank_zero` runs them as `python -m minfer.distributed.ranks`
+  - offline API on node 0: `start_rank_zero` runs them as `python -m minfer.runner.ranks`
     subprocesses (no re-import of the user's script, unlike multiprocessing's spawn);
   - `minfer serve` on node 0: server/launch.py spawns them next to the other workers;
   - any command on node k > 0: `run_worker_node` runs the node's ranks until rank 0 stops them.
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from minfer.config import EngineConfig
 
 if TYPE_CHECKING:
-    from minfer.distributed.step_sync import StepLeader
+    from minfer.runner.step_sync import StepLeader
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def follower_main(config: EngineConfig, rank: int) -> None:
     """Join the TP group as `rank`, load this rank's shard, follow rank 0 until it stops."""
     from minfer.distributed.faults import fault_point
     from minfer.distributed.parallel import create_store, join_tp_group
-    from minfer.distributed.step_sync import follow
+    from minfer.runner.step_sync import follow
     from minfer.engine.engine import Engine, freeze_long_lived_objects
     from minfer.observability.trace import NULL_TRACER
     from minfer.scheduler.scheduler import Scheduler
@@ -100,7 +100,7 @@ class LocalRanks:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         config_json = json.dumps(dataclasses.asdict(config))
-        self.procs = {rank: subprocess.Popen([sys.executable, "-m", "minfer.distributed.ranks", "--rank", str(rank),
+        self.procs = {rank: subprocess.Popen([sys.executable, "-m", "minfer.runner.ranks", "--rank", str(rank),
                                               "--config", config_json], env=env)
                       for rank in ranks}
 
@@ -140,7 +140,7 @@ def start_rank_zero(config: EngineConfig, spawn_followers: bool) -> StepLeader:
     when asked), join the group. Returns the StepLeader the scheduler loop steps through."""
     from minfer.distributed.faults import fault_point
     from minfer.distributed.parallel import SINGLE, RankLayout, create_store, join_tp_group, leave_tp_group
-    from minfer.distributed.step_sync import StepLeader
+    from minfer.runner.step_sync import StepLeader
 
     layout = RankLayout.of(config)
     if config.tp == 1:
