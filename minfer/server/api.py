@@ -203,7 +203,9 @@ def build_app(state: ServerState) -> FastAPI:
     # -- errors: always OpenAI's shape, never a traceback --------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(_request, exc: APIError):
-        return json_response(exc.body(), exc.status)
+        response = json_response(exc.body(), exc.status)
+        response.headers.update(getattr(exc, "headers", {}))  # Retry-After of a full queue
+        return response
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_request, exc: InvalidRequestError):
