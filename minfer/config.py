@@ -90,7 +90,7 @@ class ServerConfig:
 def _base_type(tp) -> type:
     """`int | None` -> int; `str` -> str (fields are annotated as strings under __future__)."""
     if isinstance(tp, str):
-        tp = eval(tp, {}, {})  # noqa: S307 - annotations of this module only
+        tp = eval(tp, {}, {})
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
     return tp

@@ -30,9 +30,3 @@ class IpcDir:
         shutil.rmtree(self.path, ignore_errors=True)
         self._janitor.stdin.close()  # the janitor finds nothing left to remove and exits
         self._janitor.wait()
-
-    def __enter__(self) -> IpcDir:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

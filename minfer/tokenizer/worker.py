@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+
 import zmq
 
 from minfer.config import EngineConfig
