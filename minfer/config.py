@@ -23,7 +23,7 @@ CPU_DEFAULT_KV_CACHE_TOKENS = 16384
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 # `minfer bench offline` on the default model stops gaining throughput past this many running
 # requests on CPU (docs/BENCHMARKS.md); more only lengthen every request's time per token.
-CPU_DEFAULT_MAX_RUNNING_REQUESTS = 8
+CPU_DEFAULT_MAX_RUNNING_REQUESTS = 16
 
 
 def default_max_running_requests(device_type: str) -> int:
