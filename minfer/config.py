@@ -18,6 +18,19 @@ def _opt(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+# Values used when a field below is left at None and the device is a CPU.
+CPU_DEFAULT_KV_CACHE_TOKENS = 16384
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+# `minfer bench offline` on the default model stops gaining throughput past this many running
+# requests on CPU (docs/BENCHMARKS.md); more only lengthen every request's time per token.
+CPU_DEFAULT_MAX_RUNNING_REQUESTS = 16
+
+
+def default_max_running_requests(device_type: str) -> int:
+    """The running-request cap when `max_running_requests` is not given."""
+    return CPU_DEFAULT_MAX_RUNNING_REQUESTS if device_type == "cpu" else DEFAULT_MAX_RUNNING_REQUESTS
+
+
 @dataclass
 class EngineConfig:
     """Options of the engine: model loading, KV cache, scheduling, kernels."""
@@ -34,7 +47,12 @@ class EngineConfig:
     kv_cache_tokens: int | None = _opt(
         None, "KV pool size in tokens; overrides the measured size on CUDA (CPU default: 16384)")
     mem_fraction: float = _opt(0.90, "fraction of total device memory minfer may use (CUDA)")
-    max_running_requests: int | None = _opt(None, "cap on concurrently running requests (default: derived)")
+    max_running_requests: int | None = _opt(
+        None, f"cap on concurrently running requests (default: {DEFAULT_MAX_RUNNING_REQUESTS}, on CPU "
+        f"{CPU_DEFAULT_MAX_RUNNING_REQUESTS}: where the CPU's throughput stops growing, docs/BENCHMARKS.md)")
+    max_queued_requests: int = _opt(
+        1024, "serving: requests that may wait beyond max-running-requests; more are refused at once with 503 and "
+        "Retry-After (0: none may wait; a large number: no practical limit)")
     chunked_prefill_size: int = _opt(8192, "token budget of one prefill step; longer prompts span steps")
     attention_backend: str = _opt("auto", "auto = triton on CUDA, torch on CPU", ("auto", "torch", "triton"))
     cache: str = _opt("radix", "prefix cache: radix shares prompt prefixes, naive shares nothing",
@@ -57,6 +75,11 @@ class EngineConfig:
     trace_requests: str | None = _opt(None, "write a JSONL trace of every request's events to this file")
     log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
     log_stats_interval: float = _opt(10.0, "seconds between the scheduler's stats lines when serving (0: never)")
+    max_unread_replies: int = _opt(
+        4096, "serving: replies (about one per token) a request may hold that its client has not read; past "
+        "it the request is aborted with an error event, so a stalled reader cannot grow memory without bound")
+    shutdown_timeout: float = _opt(
+        5.0, "serving: seconds SIGTERM / Ctrl-C lets open requests finish before ending them with an error")
 
 
 @dataclass
@@ -78,15 +101,10 @@ class ServerConfig:
                                        "connection still sending after that is closed")
 
 
-# Values used when a field above is left at None and the device is a CPU.
-CPU_DEFAULT_KV_CACHE_TOKENS = 16384
-DEFAULT_MAX_RUNNING_REQUESTS = 256
-
-
 def _base_type(tp) -> type:
     """`int | None` -> int; `str` -> str (fields are annotated as strings under __future__)."""
     if isinstance(tp, str):
-        tp = eval(tp, {}, {})  # noqa: S307 - annotations of this module only
+        tp = eval(tp, {}, {})
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
     return tp

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minfer.attention.base import ForwardContext, build_metadata
-from minfer.config import DEFAULT_MAX_RUNNING_REQUESTS, EngineConfig
+from minfer.config import EngineConfig, default_max_running_requests
 from minfer.core import Batch, Phase
 from minfer.device import to_device
 from minfer.distributed.parallel import SINGLE, TPGroup
@@ -164,7 +164,7 @@ class Engine:
         self.kv_bytes_per_token = KVPool.bytes_per_token(
             self.hf_config.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
         self.memory: MemoryBudget = plan_memory(self, memory_before)
-        self.max_running_requests = config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        self.max_running_requests = config.max_running_requests or default_max_running_requests(self.device.type)
         page = config.page_size
         num_slots = self.memory.kv_pool_tokens // page * page
         self.kv_pool = KVPool(self.hf_config.num_hidden_layers, num_slots, self.num_kv_heads,

@@ -1,16 +1,24 @@
 """Every message that crosses a process boundary, as msgspec structs.
 
-The three processes form a ring, so each has one inbox (a PULL socket it binds):
+The four processes form a ring, so each has one inbox (a PULL socket it binds):
 
-    api server ──▶ tokenizer ──▶ scheduler
-        ▲              │ ◀──────────┘
-        └──────────────┘
+    api server ──▶ tokenizer ──▶ scheduler ──▶ detokenizer
+        ▲                                          │
+        └──────────────────────────────────────────┘
 
 Everything the api server sends goes to the tokenizer worker, which answers tokenizer calls
 itself and forwards the rest (tokenized requests, aborts, info queries) to the scheduler in the
 order it received them: an abort can never overtake the request it aborts. Everything the
-scheduler sends goes back through the tokenizer worker, which detokenizes token outputs and
-forwards the rest to the api server.
+scheduler sends goes to the detokenizer worker, which detokenizes token outputs and forwards
+the rest to the api server. Tokenizing and detokenizing live in separate processes so that a
+large prompt being tokenized cannot delay the tokens of running streams.
+
+A request's detokenizer state (its stop strings, prompt length, echoed text) travels with the
+request to the scheduler (`TokenizedRequest.stream`), which passes it on before any output of
+that request: one sender, one pipe, so it always arrives first. Stop strings are matched in the
+detokenizer, which aborts the request in the scheduler itself (it is past the scheduler already).
+Lifecycle messages (`WorkerReady`, `WorkerFailed`, `RequestFailed`) go straight to the api server
+from the tokenizer and detokenizer, and through the detokenizer from the scheduler.
 """
 
 from __future__ import annotations
@@ -63,15 +71,32 @@ class InfoQuery(Message):
     call_id: int
 
 
-# -- tokenizer -> scheduler --------------------------------------------------------------------
+# -- api server (launcher) -> tokenizer, once both workers are ready ---------------------------
+class PromptLimits(Message):
+    """The longest prompt the scheduler can take (it leaves room for one output token)."""
+
+    max_prompt_tokens: int
+
+
+# -- tokenizer -> scheduler -> detokenizer -----------------------------------------------------
+class StreamStart(Message):
+    """What the detokenizer needs to know of a request before its first token."""
+
+    uid: int
+    prompt_tokens: int
+    stop: list[str] = msgspec.field(default_factory=list)
+    prompt_text: str | None = None  # sent with the first reply (echo), then forgotten
+
+
 class TokenizedRequest(Message):
     uid: int
     token_ids: list[int]
     params: SamplingParams
     max_tokens_auto: bool = False
+    stream: StreamStart | None = None  # forwarded to the detokenizer before the request is added
 
 
-# -- scheduler -> tokenizer --------------------------------------------------------------------
+# -- scheduler -> detokenizer ------------------------------------------------------------------
 class TokenOutputs(Message):
     """One scheduler step's results, as parallel lists (one entry per request that advanced)."""
 
@@ -104,7 +129,7 @@ class InfoReply(Message):
 class WorkerReady(Message):
     """A worker finished starting; `info` describes what it loaded."""
 
-    role: str  # "scheduler" | "tokenizer"
+    role: str  # "scheduler" | "tokenizer" | "detokenizer"
     pid: int
     info: dict[str, Any]
 
@@ -116,7 +141,7 @@ class WorkerFailed(Message):
     message: str
 
 
-# -- tokenizer -> api server -------------------------------------------------------------------
+# -- detokenizer (replies) and tokenizer (call results) -> api server --------------------------
 class Reply(msgspec.Struct, array_like=True):
     """New text of one request. `text` is a delta: it never changes once sent."""
 
@@ -147,8 +172,8 @@ class TokenizerResult(Message):
     error: str | None = None
 
 
-AnyMessage = (GenerateRequest | AbortRequest | TokenizerCall | InfoQuery | TokenizedRequest | TokenOutputs
-              | RequestFailed | InfoReply | WorkerReady | WorkerFailed | ReplyBatch | TokenizerResult)
+AnyMessage = (GenerateRequest | AbortRequest | TokenizerCall | InfoQuery | PromptLimits | StreamStart
+              | TokenizedRequest | TokenOutputs | RequestFailed | InfoReply | WorkerReady | WorkerFailed | ReplyBatch | TokenizerResult)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

@@ -21,10 +21,12 @@ class Endpoints:
     api: str
     tokenizer: str
     scheduler: str
+    detokenizer: str
 
     @classmethod
     def in_dir(cls, directory: str) -> Endpoints:
-        return cls(*(f"ipc://{os.path.join(directory, name)}" for name in ("api", "tokenizer", "scheduler")))
+        return cls(*(f"ipc://{os.path.join(directory, name)}"
+                     for name in ("api", "tokenizer", "scheduler", "detokenizer")))
 
 
 def inbox(ctx: zmq.Context, address: str) -> zmq.Socket:

@@ -3,6 +3,8 @@
 Loop: take every message waiting (without blocking while requests run; blocking up to a second
 when idle, to notice a dead parent) -> one scheduler step -> send its tokens to the detokenizer.
 Requests join and leave between steps, so an abort frees its KV before the next forward pass.
+Everything this process sends goes to the detokenizer worker (ipc/messages.py), which forwards
+what is not token output to the api server.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class SchedulerLoop:
 
     def handle(self, msg: m.Message) -> None:
         if isinstance(msg, m.TokenizedRequest):
+            if msg.stream is not None:  # before any output of the request, on the same pipe
+                self.send_out(msg.stream)
             self.add(msg)
             req = self.scheduler.by_uid.get(msg.uid)
             if req is not None:
@@ -108,7 +112,7 @@ class SchedulerLoop:
         engine = self.scheduler.engine
         return {"model": engine.source.name, "max_model_len": engine.max_model_len,
                 "vocab_size": engine.vocab_size, "device": str(engine.device), "dtype": str(engine.dtype),
-                "max_running_requests": engine.max_running_requests,
+                "max_running_requests": engine.max_running_requests, "max_request_tokens": self.max_request_tokens,
                 "eos_token_ids": sorted(engine.eos_token_ids),
                 "memory": engine.memory.as_dict(), "memory_line": engine.memory.describe(engine.max_model_len)}
 
@@ -130,7 +134,7 @@ def run_scheduler_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
     setup_worker_process("minfer-scheduler", config.log_level)
     ctx = zmq.Context()
     sock = inbox(ctx, endpoints.scheduler)
-    to_tokenizer = outbox(ctx, endpoints.tokenizer)
+    to_detokenizer = outbox(ctx, endpoints.detokenizer)
     try:
         from minfer.runner.ranks import start_rank_zero
         from minfer.engine.engine import Engine, freeze_long_lived_objects
@@ -143,11 +147,11 @@ def run_scheduler_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
         freeze_long_lived_objects()
     except Exception as e:
         log.exception("the engine failed to start")
-        send(to_tokenizer, m.WorkerFailed(role="scheduler", message=f"{type(e).__name__}: {e}"))
-        to_tokenizer.close(linger=2000)  # deliver the failure before exiting
+        send(to_detokenizer, m.WorkerFailed(role="scheduler", message=f"{type(e).__name__}: {e}"))
+        to_detokenizer.close(linger=2000)  # deliver the failure before exiting
         raise SystemExit(1)
-    loop = SchedulerLoop(scheduler, lambda msg: send(to_tokenizer, msg), tp_leader)
-    send(to_tokenizer, m.WorkerReady(role="scheduler", pid=os.getpid(), info=loop.startup_info()))
+    loop = SchedulerLoop(scheduler, lambda msg: send(to_detokenizer, msg), tp_leader)
+    send(to_detokenizer, m.WorkerReady(role="scheduler", pid=os.getpid(), info=loop.startup_info()))
     try:
         while parent_alive(parent_pid):
             for msg in recv_ready(sock, timeout_ms=0 if scheduler.has_work else 1000):

@@ -4,6 +4,11 @@ One asyncio task reads the inbox and routes each message: replies to the queue o
 request that owns the uid, answers of calls (tokenizer calls, info queries) to their futures.
 Sending is a plain non-blocking ZeroMQ send, so it is safe from a `finally` of a cancelled task
 (a client that went away still gets its request aborted).
+
+Two limits protect the server from its clients: admission (a request arriving while
+max-running + max-queued requests are open is refused at once with 503 and Retry-After) and the
+unread-reply bound (a stream whose client stopped reading is aborted once its queue holds
+max-unread-replies, instead of buffering its tokens without end).
 """
 
 from __future__ import annotations
@@ -21,20 +26,39 @@ from minfer.ipc import messages as m
 from minfer.ipc.sockets import send
 from minfer.observability.metrics import ServerMetrics
 from minfer.observability.trace import NULL_TRACER, RequestTracer
-from minfer.server.protocol import APIError
+from minfer.server.errors import APIError
 
 log = logging.getLogger(__name__)
 
 Event = m.Reply | m.RequestFailed
+RETRY_AFTER_S = 1  # what a refused client is told to wait: requests of a few seconds free slots quickly
+
+
+class ServerOverloaded(APIError):
+    """503 with a Retry-After header: the queue is full."""
+
+    def __init__(self, message: str):
+        super().__init__(503, message, None, "server_overloaded", {"Retry-After": str(RETRY_AFTER_S)})
+
+
+class ReplyQueue(asyncio.Queue):
+    """The queue the engine requests of one HTTP request share; `requests` of them write to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests = 0
 
 
 class EngineClient:
-    def __init__(self, inbox: zmq.Socket, to_tokenizer: zmq.Socket, tracer: RequestTracer = NULL_TRACER):
+    def __init__(self, inbox: zmq.Socket, to_tokenizer: zmq.Socket, tracer: RequestTracer = NULL_TRACER,
+                 max_open_requests: int | None = None, max_unread_replies: int | None = None):
         self.inbox = inbox  # bound, synchronous; shadowed by an asyncio socket in `start`
         self.to_tokenizer = to_tokenizer
         self.tracer = tracer
+        self.max_open_requests = max_open_requests  # running + queued; None: no limit
+        self.max_unread_replies = max_unread_replies  # per engine request; None: no limit
         self.metrics = ServerMetrics()  # every request passes here: latencies are measured here
-        self.queues: dict[int, asyncio.Queue] = {}  # uid -> queue of its HTTP request
+        self.queues: dict[int, ReplyQueue] = {}  # uid -> queue of its HTTP request
         self.calls: dict[int, asyncio.Future] = {}
         self.uids = itertools.count()
         self.call_ids = itertools.count()
@@ -59,6 +83,9 @@ class EngineClient:
                     queue.put_nowait(reply)
                     if reply.finish_reason is not None:
                         del self.queues[reply.uid]
+                    limit = self.max_unread_replies
+                    if limit is not None and queue.qsize() > limit * queue.requests:
+                        self.abort_unread(queue, limit)
         elif isinstance(msg, m.RequestFailed):
             self.metrics.request_failed(msg.uid)
             queue = self.queues.pop(msg.uid, None)
@@ -73,10 +100,23 @@ class EngineClient:
         else:
             log.debug("api server ignored %s", type(msg).__name__)
 
+    def abort_unread(self, queue: ReplyQueue, limit: int) -> None:
+        """The client of `queue` stopped reading: abort its requests; the error is its last event."""
+        message = (f"request aborted: its client left more than {limit} replies unread "
+                   "(--max-unread-replies); read the stream as it arrives")
+        log.warning("%s", message)
+        for uid in [uid for uid, q in self.queues.items() if q is queue]:
+            self.abort(uid)
+            queue.put_nowait(m.RequestFailed(uid=uid, message=message, status=400))
+
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, queue: asyncio.Queue, request: m.GenerateRequest) -> None:
+    def submit(self, queue: ReplyQueue, request: m.GenerateRequest) -> None:
         if self.failure:
             raise APIError(503, self.failure)
+        if self.max_open_requests is not None and len(self.queues) >= self.max_open_requests:
+            raise ServerOverloaded(f"the server is at capacity ({len(self.queues)} requests running or waiting, "
+                                   "--max-running-requests + --max-queued-requests); retry later")
+        queue.requests += 1
         self.queues[request.uid] = queue
         self.metrics.request_started(request.uid, time.monotonic())
         if self.tracer.enabled:
@@ -127,7 +167,7 @@ class RequestGroup:
 
     client: EngineClient
     rid: str
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: ReplyQueue = field(default_factory=ReplyQueue)
     choice: dict[int, int] = field(default_factory=dict)
     open: set[int] = field(default_factory=set)
     backlog: list[Event] = field(default_factory=list)

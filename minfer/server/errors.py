@@ -40,12 +40,14 @@ def public_message(message: str) -> str:
 class APIError(Exception):
     """An error answered as OpenAI's error JSON with `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After of a 503 when the queue is full
 
     @classmethod
     def invalid(cls, e: InvalidRequestError, param: str | None = None) -> APIError:
@@ -124,7 +126,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(_request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_request, exc: InvalidRequestError):

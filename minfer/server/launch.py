@@ -1,12 +1,14 @@
 """`minfer serve`: start the workers, wait until they are ready, run the HTTP server, stop all.
 
-Processes (DESIGN.md): this one runs the api server; the tokenizer worker and the scheduler
-worker (which owns the engine) are spawned children. Shutdown paths, all ending with the
-children stopped:
-  - SIGINT / SIGTERM: uvicorn stops serving (open streams get a few seconds), exit code 0;
+Processes (DESIGN.md): this one runs the api server; the tokenizer, scheduler (which owns the
+engine) and detokenizer workers are spawned children. Shutdown paths, all ending with the
+children stopped and the socket directory removed:
+  - SIGINT / SIGTERM: uvicorn stops accepting, open requests get --shutdown-timeout seconds to
+    finish, then the rest end with an error event; exit code 0;
   - a worker dies: /health answers 503, open requests fail with 503, then exit code 1;
   - a worker fails to start: its error is printed, exit code 1.
-If this process is killed outright, the kernel kills the workers (ipc/process.py).
+If this process is killed outright, the kernel kills the workers (ipc/process.py) and a janitor
+removes the socket directory (ipc/ipc_dir.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import multiprocessing as mp
 import os
 import signal
 import sys
-import tempfile
 import time
 
 import zmq
@@ -26,11 +27,13 @@ import zmq
 from minfer.config import EngineConfig, ServerConfig
 from minfer.runner.ranks import free_local_addr, run_follower_rank, run_worker_node
 from minfer.ipc import messages as m
+from minfer.ipc.ipc_dir import IpcDir
 from minfer.ipc.process import dead_workers
-from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready
+from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
 from minfer.observability.trace import NULL_TRACER, RequestTracer
 from minfer.scheduler.worker import run_scheduler_worker
 from minfer.server.client import EngineClient
+from minfer.tokenizer.detokenizer_worker import run_detokenizer_worker
 from minfer.tokenizer.worker import run_tokenizer_worker
 
 log = logging.getLogger("minfer.server")
@@ -38,7 +41,9 @@ log = logging.getLogger("minfer.server")
 # How long /health answers 503 after a worker died before the server exits, so that whoever
 # watches the server (a load balancer, a test) can see why.
 UNHEALTHY_GRACE_S = 2.0
-GRACEFUL_SHUTDOWN_S = 3
+# Open requests are ended with an error this long before uvicorn's graceful period is over, so
+# that none is cancelled into a bare connection reset.
+FAIL_BEFORE_SHUTDOWN_S = 0.5
 WORKER_STOP_TIMEOUT_S = 5.0
 
 
@@ -59,6 +64,8 @@ class Workers:
                                      name="minfer-scheduler", daemon=True),
             "tokenizer": ctx.Process(target=run_tokenizer_worker, args=(config, endpoints, me),
                                      name="minfer-tokenizer", daemon=True),
+            "detokenizer": ctx.Process(target=run_detokenizer_worker, args=(config, endpoints, me),
+                                       name="minfer-detokenizer", daemon=True),
         }
         # Tensor-parallel ranks 1..N-1 of this node: they talk only to the scheduler (rank 0).
         self.tp_ranks = {f"tp-rank-{rank}": ctx.Process(target=run_follower_rank, args=(config, rank),
@@ -86,7 +93,7 @@ class Workers:
 
 
 def wait_until_ready(sock: zmq.Socket, workers: Workers) -> dict[str, dict]:
-    """Wait for both workers' WorkerReady; fail fast when one fails or dies."""
+    """Wait for every worker's WorkerReady; fail fast when one fails or dies."""
     ready: dict[str, dict] = {}
     while len(ready) < len(workers.procs):
         for msg in recv_ready(sock, timeout_ms=200):
@@ -109,8 +116,8 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     logging.basicConfig(level=engine_cfg.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     if engine_cfg.node_rank > 0:  # a worker node of a multi-node job: its ranks only, no HTTP
         return run_worker_node(engine_cfg)
-    ipc_dir = tempfile.mkdtemp(prefix="minfer-ipc-")
-    endpoints = Endpoints.in_dir(ipc_dir)
+    ipc_dir = IpcDir()
+    endpoints = Endpoints.in_dir(ipc_dir.path)
     zctx = zmq.Context()
     api_inbox = inbox(zctx, endpoints.api)
     to_tokenizer = outbox(zctx, endpoints.tokenizer)
@@ -120,6 +127,8 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
         workers.start()
         print(f"minfer: loading {engine_cfg.model or 'the default model'} ...", flush=True)
         ready = wait_until_ready(api_inbox, workers)
+        # The tokenizer refuses prompts the scheduler could not take before tokenizing them all.
+        send(to_tokenizer, m.PromptLimits(max_prompt_tokens=ready["scheduler"]["max_request_tokens"] - 1))
         # From here uvicorn owns SIGINT/SIGTERM (it stops serving, then re-raises the signal
         # to the handler it found, which must then do nothing).
         for sig in previous:
@@ -135,9 +144,7 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
         zctx.destroy(linger=0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for name in os.listdir(ipc_dir):
-            os.unlink(os.path.join(ipc_dir, name))
-        os.rmdir(ipc_dir)
+        ipc_dir.close()
 
 
 async def _serve_http(engine_cfg: EngineConfig, server_cfg: ServerConfig, ready: dict, workers: Workers,
@@ -148,15 +155,18 @@ async def _serve_http(engine_cfg: EngineConfig, server_cfg: ServerConfig, ready:
 
     # This process starts the run, so it empties the trace file the workers append to.
     tracer = RequestTracer(engine_cfg.trace_requests, truncate=True) if engine_cfg.trace_requests else NULL_TRACER
-    client = EngineClient(api_inbox, to_tokenizer, tracer)
-    client.start()
     info = ready["scheduler"]
+    client = EngineClient(api_inbox, to_tokenizer, tracer,
+                          max_open_requests=info["max_running_requests"] + engine_cfg.max_queued_requests,
+                          max_unread_replies=engine_cfg.max_unread_replies)
+    client.start()
     state = ServerState(client=client, model_name=server_cfg.served_model_name or engine_cfg.model or info["model"],
                         engine_config=engine_cfg, server_config=server_cfg, scheduler_info=info,
                         tokenizer_info=ready["tokenizer"], workers=workers.procs)
     config = uvicorn.Config(build_app(state), host=server_cfg.host, port=server_cfg.port,
                             log_level=engine_cfg.log_level, access_log=engine_cfg.log_level == "debug",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **uvicorn_options(server_cfg))
+                            timeout_graceful_shutdown=engine_cfg.shutdown_timeout + FAIL_BEFORE_SHUTDOWN_S,
+                            **uvicorn_options(server_cfg))
     server = uvicorn.Server(config)
     watchdog = asyncio.create_task(_watch(server, state, workers, info["memory_line"]))
     await server.serve()
@@ -185,7 +195,9 @@ async def _watch(server, state, workers: Workers, memory_line: str) -> None:
             server.should_exit = True
             return
         await asyncio.sleep(0.25)
-    # A signal is stopping the server. Requests still open just before uvicorn's graceful period
-    # ends would be cancelled into a bare 500; end them with a 503 error JSON instead.
-    await asyncio.sleep(max(GRACEFUL_SHUTDOWN_S - 0.5, 0.0))
-    state.client.fail_all("the server is shutting down")
+    # A signal is stopping the server: uvicorn accepts nothing new and waits for open requests.
+    # Those still open when --shutdown-timeout is over would be cancelled into a bare 500 or a
+    # cut stream; end them with a 503 error JSON (a final error event in a stream) instead.
+    await asyncio.sleep(state.engine_config.shutdown_timeout)
+    state.client.fail_all(f"the server is shutting down (open requests had {state.engine_config.shutdown_timeout:g} s "
+                          "to finish)")

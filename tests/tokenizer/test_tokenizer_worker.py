@@ -1,4 +1,8 @@
-"""The tokenizer worker's message handling, without sockets."""
+"""The tokenizer and detokenizer workers' message handling, without sockets.
+
+The fixture wires them as the scheduler would: what the tokenizer sends the scheduler is kept,
+and a TokenizedRequest's StreamStart is handed to the detokenizer, as the scheduler forwards it.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,40 @@ import pytest
 
 from minfer.core import SamplingParams
 from minfer.ipc import messages as m
+from minfer.tokenizer.detokenizer_worker import DetokenizerWorker
 from minfer.tokenizer.worker import TokenizerWorker
+
+
+class Workers:
+    """Both workers behind one `handle`: requests and calls to the tokenizer, scheduler output
+    to the detokenizer."""
+
+    def __init__(self, tokenizer, to_scheduler: list, to_api: list):
+        self.detokenizer = DetokenizerWorker(tokenizer, to_scheduler.append, to_api.append)
+
+        def to_scheduler_via_detokenizer(msg):
+            to_scheduler.append(msg)
+            if isinstance(msg, m.TokenizedRequest):
+                self.detokenizer.handle(msg.stream)
+
+        self.tokenizer = TokenizerWorker(tokenizer, to_scheduler_via_detokenizer, to_api.append)
+
+    @property
+    def requests(self):
+        return self.detokenizer.requests
+
+    def handle(self, msg: m.Message) -> None:
+        from_scheduler = (m.TokenOutputs, m.RequestFailed, m.InfoReply)
+        (self.detokenizer if isinstance(msg, from_scheduler) else self.tokenizer).handle(msg)
+
+    def flush(self) -> None:
+        self.detokenizer.flush()
 
 
 @pytest.fixture
 def worker(tokenizer):
     to_scheduler, to_api = [], []
-    w = TokenizerWorker(tokenizer, to_scheduler.append, to_api.append)
-    return w, to_scheduler, to_api
+    return Workers(tokenizer, to_scheduler, to_api), to_scheduler, to_api
 
 
 def outputs(*rows) -> m.TokenOutputs:
