@@ -117,8 +117,8 @@ def _run(args: argparse.Namespace) -> int:
         raise BenchError(str(e)) from None
     base = args.base_url.rstrip("/")
     with httpx.Client(base_url=base, timeout=60) as http:
+        requests = _build_requests(http, args, workload)  # first: a bad --dataset fails without a server
         model = args.model or _first_model(http, base)
-        requests = _build_requests(http, args, workload)
         bodies = [_encode_body(args, workload, model, r) for r in requests]
         _probe(http, ENDPOINT_PATHS[args.endpoint], bodies[0])
 
