@@ -68,11 +68,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="mean requests per second of the Poisson arrivals, or inf to send all at once")
     p.add_argument("--max-concurrency", type=positive_int, default=None, help="requests in flight at most")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload draw and the arrival times")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (nano-vllm: 0.6)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (nano-vllm: always 0.6, with ignore_eos)")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every output is max_tokens long")
     p.add_argument("--slo", default=None, help="goodput limits in ms, e.g. ttft:500,tpot:50 (also e2e)")
     p.add_argument("--client-processes", type=positive_int, default=1,
-                   help="client processes to shard the requests over (one parses ~N tok/s, see BENCHMARKS.md)")
+                   help="client processes to shard the requests over (one takes ~35,000 tok/s of CPU)")
     p.add_argument("--output-json", default=None, help="write every metric and per-request record here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -90,6 +91,8 @@ def _resolve_workload(args: argparse.Namespace) -> str:
     if args.dataset and args.workload:
         raise BenchError("give --workload or --dataset, not both")
     workload = "dataset" if args.dataset else (args.workload or "random")
+    if workload == "nano-vllm":  # its sampling is part of the workload, as in `bench offline`
+        args.temperature, args.ignore_eos = 0.6, True
     for name, value in WORKLOAD_DEFAULTS[workload].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -119,7 +122,7 @@ def _run(args: argparse.Namespace) -> int:
     with httpx.Client(base_url=base, timeout=60) as http:
         requests = _build_requests(http, args, workload)  # first: a bad --dataset fails without a server
         model = args.model or _first_model(http, base)
-        bodies = [_encode_body(args, workload, model, r) for r in requests]
+        bodies = [_encode_body(args, model, r) for r in requests]
         _probe(http, ENDPOINT_PATHS[args.endpoint], bodies[0])
 
     # Exponential gaps: a Poisson process; the first request goes at 0.
@@ -214,10 +217,9 @@ def _build_requests(http, args: argparse.Namespace, workload: str) -> list:
     return requests
 
 
-def _encode_body(args: argparse.Namespace, workload: str, model: str, request) -> bytes:
-    nano = workload == "nano-vllm"
-    body = {"model": model, "max_tokens": request.max_tokens, "temperature": 0.6 if nano else args.temperature,
-            "ignore_eos": nano or args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+def _encode_body(args: argparse.Namespace, model: str, request) -> bytes:
+    body = {"model": model, "max_tokens": request.max_tokens, "temperature": args.temperature,
+            "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
     if args.endpoint == "chat":
         body["messages"] = request.messages or [{"role": "user", "content": request.prompt}]
     else:
