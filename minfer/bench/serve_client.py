@@ -73,11 +73,13 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: bytes, index
             async for data in resp.aiter_raw():
                 now = time.perf_counter()
                 buffer += data
+                if b"\r" in buffer:  # servers built on sse-starlette end lines with CRLF
+                    buffer = buffer.replace(b"\r\n", b"\n")
                 *events, buffer = buffer.split(b"\n\n")
                 for event in events:
-                    if not event.startswith(b"data: "):
+                    if not event.startswith(b"data:"):
                         continue  # an SSE comment or keep-alive
-                    payload = event[6:]
+                    payload = event[5:].lstrip()
                     if payload == b"[DONE]":
                         finished = True
                         continue
