@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 
@@ -120,18 +121,19 @@ def fake_server():
 
 
 def test_client_times_every_chunk(fake_server):
-    body = b'{"prompt": [1, 2, 3], "max_tokens": 20, "stream": true}'
+    body = b'{"prompt": [1, 2, 3], "max_tokens": 100, "stream": true}'
     shard = Shard(fake_server + "/v1/completions", [body] * 12, [0.0] * 12, list(range(12)), 4)
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     records = run_shard(shard)
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     assert [r.index for r in records] == list(range(12))
-    assert all(r.ok and r.output_tokens == 20 == r.content_chunks and len(r.itl) == 19 for r in records)
+    assert all(r.ok and r.output_tokens == 100 == r.content_chunks and len(r.itl) == 99 for r in records)
     assert all(r.prompt_tokens == 3 and 0 < r.ttft < r.e2e for r in records)
-    assert min(gap for r in records for gap in r.itl) > 0.001  # paced at 2 ms: one chunk per read
-    # The client's CPU cost per token (measured ~29 us; CPU time, so a busy machine does not fail it).
+    # Paced at 2 ms a chunk: the typical gap is that (a busy machine may coalesce a few reads).
+    assert 0.0015 < statistics.median(gap for r in records for gap in r.itl) < 0.05
+    # The client's CPU cost per token (measured ~30 us; CPU time, so a busy machine does not fail it).
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-    assert cpu / 240 < 250e-6
+    assert cpu / 1200 < 250e-6
 
 
 def test_sharded_run_merges_records(fake_server):
