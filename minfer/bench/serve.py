@@ -88,6 +88,8 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
 
 def _resolve_workload(args: argparse.Namespace) -> str:
+    from minfer.bench.workloads import WorkloadError, check_range_ratio
+
     if args.dataset and args.workload:
         raise BenchError("give --workload or --dataset, not both")
     workload = "dataset" if args.dataset else (args.workload or "random")
@@ -98,8 +100,19 @@ def _resolve_workload(args: argparse.Namespace) -> str:
             setattr(args, name, value)
     if args.dataset and args.input_len is not None:
         raise BenchError("--input-len does not apply to --dataset (its prompts are given)")
-    if not 0 <= args.range_ratio < 1:
-        raise BenchError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
+    try:
+        check_range_ratio(args.range_ratio)
+    except WorkloadError as e:
+        raise BenchError(str(e)) from None
+    if args.output_json:  # fail now, not after the run
+        path = Path(args.output_json)
+        try:
+            existed = path.exists()
+            path.open("a").close()
+            if not existed:
+                path.unlink()
+        except OSError as e:
+            raise BenchError(f"cannot write --output-json {args.output_json}: {e.strerror}") from None
     if args.client_processes > 1 and args.max_concurrency and args.client_processes > args.max_concurrency:
         raise BenchError(f"--client-processes {args.client_processes} exceeds --max-concurrency "
                          f"{args.max_concurrency}: each process needs at least one request in flight")

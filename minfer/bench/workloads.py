@@ -39,11 +39,15 @@ def nano_vllm_draw(num_requests: int = 256, input_len: int = 1024, output_len: i
     return prompts, max_tokens
 
 
+def check_range_ratio(range_ratio: float) -> None:
+    if not 0 <= range_ratio < 1:
+        raise WorkloadError(f"--range-ratio must be in [0, 1), got {range_ratio}")
+
+
 def random_draw(num_requests: int, input_len: int, output_len: int, range_ratio: float, vocab_ids: list[int],
                 seed: int = 0) -> list[BenchRequest]:
     """Prompts of random token ids: lengths uniform in [L(1-r), L(1+r)] for L = input_len, output_len."""
-    if not 0 <= range_ratio < 1:
-        raise WorkloadError(f"--range-ratio must be in [0, 1), got {range_ratio}")
+    check_range_ratio(range_ratio)
     if input_len < 1 or output_len < 1:
         raise WorkloadError(f"--input-len and --output-len must be >= 1, got {input_len} and {output_len}")
     rng = random.Random(seed)

@@ -224,6 +224,7 @@ def test_jsonl_dataset_sharded(server, tmp_path):
     (["--dataset", "/nonexistent.jsonl"], "cannot read --dataset /nonexistent.jsonl"),
     (["--max-concurrency", "2", "--client-processes", "3"], "--client-processes 3 exceeds --max-concurrency 2"),
     (["--base-url", "http://127.0.0.1:1"], "cannot reach http://127.0.0.1:1/"),
+    (["--output-json", "/nonexistent/out.json"], "cannot write --output-json /nonexistent/out.json"),
 ])
 def test_bad_flags_give_one_error_line(flags, message):
     proc = bench(*flags)
