@@ -241,10 +241,15 @@ def _encode_body(args: argparse.Namespace, model: str, request) -> bytes:
 
 
 def _probe(http, path: str, body: bytes) -> None:
-    """One short request before the timed run: a clear error now rather than N failures later."""
+    """One short request before the timed run: a clear error now rather than N failures later. Its
+    prompt is not the first request's, which would then be a prefix-cache hit in the timed run."""
     probe = json.loads(body)
     probe.update(max_tokens=1, stream=False)
     probe.pop("stream_options")
+    if "messages" in probe:
+        probe["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        probe["prompt"] = probe["prompt"][-1:] if isinstance(probe["prompt"], list) else "hi"
     _get(http, path, str(http.base_url).rstrip("/"), method="POST", json=probe)
 
 

@@ -189,14 +189,17 @@ def check_run(proc: subprocess.CompletedProcess, json_path, num_prompts: int, ou
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_random_workload(server, tmp_path, endpoint):
     path = tmp_path / "out.json"
+    hits_before = server.info()["stats"]["prefix_hit_tokens"]
     proc = bench("--base-url", server.url, "--endpoint", endpoint, "--num-prompts", "8", "--input-len", "16",
                  "--output-len", "8", "--max-concurrency", "4", "--ignore-eos", "--request-rate", "50",
-                 "--slo", "ttft:60000,tpot:60000", "--output-json", str(path))
+                 "--slo", "ttft:60000,tpot:60000", "--output-json", str(path), "--seed", "11")
     out = check_run(proc, path, 8, 8 * 8)
     assert out["good_requests"] == 8 and out["config"]["endpoint"] == endpoint
     assert out["config"]["model"] == "SmolLM2-135M-Instruct"
     if endpoint == "completions":  # token-id prompts: exactly input-len tokens each
         assert out["prompt_tokens"] == 8 * 16
+        # The probe request before the run must not have put a timed prompt in the prefix cache.
+        assert server.info()["stats"]["prefix_hit_tokens"] - hits_before < 8
 
 
 def test_jsonl_dataset_sharded(server, tmp_path):
