@@ -67,6 +67,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=request_rate, default=math.inf,
                    help="mean requests per second of the Poisson arrivals, or inf to send all at once")
     p.add_argument("--max-concurrency", type=positive_int, default=None, help="requests in flight at most")
+    p.add_argument("--num-warmups", type=int, default=0,
+                   help="untimed requests first (random, nano-vllm: drawn with --seed + 1; dataset: its first lines)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload draw and the arrival times")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (nano-vllm: always 0.6, with ignore_eos)")
@@ -98,6 +100,8 @@ def _resolve_workload(args: argparse.Namespace) -> str:
     for name, value in WORKLOAD_DEFAULTS[workload].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.num_warmups < 0:
+        raise BenchError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     if args.dataset and args.input_len is not None:
         raise BenchError("--input-len does not apply to --dataset (its prompts are given)")
     try:
@@ -133,10 +137,15 @@ def _run(args: argparse.Namespace) -> int:
         raise BenchError(str(e)) from None
     base = args.base_url.rstrip("/")
     with httpx.Client(base_url=base, timeout=60) as http:
-        requests = _build_requests(http, args, workload)  # first: a bad --dataset fails without a server
+        # First: a bad --dataset fails without a server.
+        requests = _build_requests(http, args, workload, args.num_prompts, args.seed)
         model = args.model or _first_model(http, base)
         bodies = [_encode_body(args, model, r) for r in requests]
         _probe(http, ENDPOINT_PATHS[args.endpoint], bodies[0])
+        # Warm-ups: the same shapes drawn with another seed, so no timed prompt is cached by them.
+        warmups = [] if not args.num_warmups else [
+            _encode_body(args, model, r) for r in _build_requests(http, args, workload, args.num_warmups,
+                                                                  args.seed + 1)]
 
     # Exponential gaps: a Poisson process; the first request goes at 0.
     rng = np.random.default_rng(args.seed)
@@ -151,6 +160,10 @@ def _run(args: argparse.Namespace) -> int:
     print(f"minfer bench serve: {len(bodies)} requests ({workload}) to {shard.url}, model {model}, "
           f"rate {args.request_rate:g}/s, max concurrency {args.max_concurrency or 'unlimited'}, "
           f"{args.client_processes} client process(es)", flush=True)
+    if warmups:
+        print(f"{len(warmups)} warm-up requests (not timed)", flush=True)
+        run_shard(Shard(shard.url, warmups, [0.0] * len(warmups), list(range(len(warmups))),
+                        args.max_concurrency))
     bar = _progress_bar(len(bodies), disable=args.no_progress)
     if args.client_processes == 1:
         records = run_shard(shard, lambda r: bar.update())
@@ -198,7 +211,8 @@ def _first_model(http, base: str) -> str:
     return data[0]["id"]
 
 
-def _build_requests(http, args: argparse.Namespace, workload: str) -> list:
+def _build_requests(http, args: argparse.Namespace, workload: str, num_prompts: int | None,
+                    seed: int) -> list:
     from minfer.bench.workloads import BenchRequest, WorkloadError, load_jsonl, nano_vllm_draw, random_draw
 
     base = args.base_url.rstrip("/")
@@ -206,13 +220,13 @@ def _build_requests(http, args: argparse.Namespace, workload: str) -> list:
     try:
         if workload == "dataset":
             requests = load_jsonl(args.dataset, args.output_len, chat)
-            if args.num_prompts:
-                requests = (requests * math.ceil(args.num_prompts / len(requests)))[:args.num_prompts]
+            if num_prompts:
+                requests = (requests * math.ceil(num_prompts / len(requests)))[:num_prompts]
             return requests
         info = _get(http, "/tokenizer_info", base)
         vocab = info.get("vocab_size") or 10001
         if workload == "nano-vllm":
-            prompts, max_tokens = nano_vllm_draw(args.num_prompts, args.input_len, args.output_len, args.seed)
+            prompts, max_tokens = nano_vllm_draw(num_prompts, args.input_len, args.output_len, seed)
             requests = [BenchRequest([t % vocab for t in p], m) for p, m in zip(prompts, max_tokens)]
         else:
             # Special tokens (end of turn, ...) would change what the prompt means; leave them out.
@@ -220,8 +234,8 @@ def _build_requests(http, args: argparse.Namespace, workload: str) -> list:
             special_ids = set(_get(http, "/tokenize", base, method="POST", json={
                 "prompt": specials, "add_special_tokens": False})["tokens"]) if specials else set()
             vocab_ids = [t for t in range(vocab) if t not in special_ids]
-            requests = random_draw(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                                   vocab_ids, args.seed)
+            requests = random_draw(num_prompts, args.input_len, args.output_len, args.range_ratio,
+                                   vocab_ids, seed)
     except WorkloadError as e:
         raise BenchError(str(e)) from None
     if chat:  # chat takes text: the ids decoded by the server's own tokenizer

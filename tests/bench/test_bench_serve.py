@@ -192,13 +192,14 @@ def test_random_workload(server, tmp_path, endpoint):
     hits_before = server.info()["stats"]["prefix_hit_tokens"]
     proc = bench("--base-url", server.url, "--endpoint", endpoint, "--num-prompts", "8", "--input-len", "16",
                  "--output-len", "8", "--max-concurrency", "4", "--ignore-eos", "--request-rate", "50",
-                 "--slo", "ttft:60000,tpot:60000", "--output-json", str(path), "--seed", "11")
+                 "--slo", "ttft:60000,tpot:60000", "--output-json", str(path), "--seed", "11", "--num-warmups", "2")
     out = check_run(proc, path, 8, 8 * 8)
     assert out["good_requests"] == 8 and out["config"]["endpoint"] == endpoint
+    assert "2 warm-up requests (not timed)" in proc.stdout
     assert out["config"]["model"] == "SmolLM2-135M-Instruct"
     if endpoint == "completions":  # token-id prompts: exactly input-len tokens each
         assert out["prompt_tokens"] == 8 * 16
-        # The probe request before the run must not have put a timed prompt in the prefix cache.
+        # Neither the probe nor the warm-ups may have put a timed prompt in the prefix cache.
         assert server.info()["stats"]["prefix_hit_tokens"] - hits_before < 8
 
 
@@ -227,6 +228,7 @@ def test_jsonl_dataset_sharded(server, tmp_path):
     (["--dataset", "/nonexistent.jsonl"], "cannot read --dataset /nonexistent.jsonl"),
     (["--max-concurrency", "2", "--client-processes", "3"], "--client-processes 3 exceeds --max-concurrency 2"),
     (["--base-url", "http://127.0.0.1:1"], "cannot reach http://127.0.0.1:1/"),
+    (["--num-warmups", "-1"], "--num-warmups must be >= 0"),
     (["--output-json", "/nonexistent/out.json"], "cannot write --output-json /nonexistent/out.json"),
 ])
 def test_bad_flags_give_one_error_line(flags, message):
