@@ -21,6 +21,20 @@ def _engine_config(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> Eng
     return config_from_kwargs(EngineConfig, values, strict=False)
 
 
+def _bench_serve_parser(bench_sub) -> argparse.ArgumentParser:
+    from minfer.bench.serve import add_serve_args
+
+    p = bench_sub.add_parser("serve", help="online benchmark of a running server (Poisson arrivals, streaming)",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(p)
+
+    def one_line_error(message: str):  # a bad flag is one line, not the whole usage text
+        p.exit(2, f"minfer bench serve: error: {message}\n")
+
+    p.error = one_line_error
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minfer", description="A compact, fast LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     from minfer.bench import shared_prefix
 
     shared_prefix.add_workload_args(shared)
+    _bench_serve_parser(bench_sub)
     from minfer.observability.trace_cli import add_trace_parser
 
     add_trace_parser(sub)
@@ -70,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         from minfer.server.shell import run_shell
 
         return run_shell(_engine_config(args))
+    if args.command == "bench" and args.bench_command == "serve":
+        from minfer.bench.serve import run_serve_bench
+
+        return run_serve_bench(args)
     if args.command == "bench" and args.bench_command == "shared-prefix":
         from minfer.bench.shared_prefix import WORKLOAD_ARGS, run_shared_prefix_bench
 

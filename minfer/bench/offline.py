@@ -9,10 +9,10 @@ With the defaults (256 requests, 1024/1024) the workload is 133,966 output token
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 from minfer.bench.floor import H200, workload_floor
+from minfer.bench.workloads import nano_vllm_draw
 from minfer.config import EngineConfig
 from minfer.core import SamplingParams
 
@@ -27,12 +27,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def make_workload(num_requests: int = 256, input_len: int = 1024, output_len: int = 1024, seed: int = 0):
-    rng = random.Random(seed)
-    lo_in, lo_out = min(100, input_len), min(100, output_len)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(lo_in, input_len))] for _ in range(num_requests)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(lo_out, output_len))
-              for _ in range(num_requests)]
-    return prompts, params
+    """nano-vllm's draw (workloads.nano_vllm_draw) with its sampling: temperature 0.6, ignore_eos."""
+    prompts, max_tokens = nano_vllm_draw(num_requests, input_len, output_len, seed)
+    return prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
 
 
 def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
