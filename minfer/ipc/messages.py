@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from minfer.core import SamplingParams, TokenLogprobs
+from minfer.core import InvalidRequestError, SamplingParams, TokenLogprobs
 
 
 class Message(msgspec.Struct, tag=True, kw_only=True):
@@ -119,6 +119,11 @@ class RequestFailed(Message):
     param: str | None = None
     status: int = 400
     code: str | None = None  # OpenAI's error code (context_length_exceeded), from InvalidRequestError
+
+    @classmethod
+    def invalid(cls, uid: int, error: InvalidRequestError) -> RequestFailed:
+        """The 400 for a request a worker found invalid: its message, field and code travel."""
+        return cls(uid=uid, message=str(error), param=error.param, code=error.code)
 
 
 class InfoReply(Message):

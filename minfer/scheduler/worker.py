@@ -79,7 +79,7 @@ class SchedulerLoop:
         try:
             self.tp_leader.requests_added([self.scheduler.add_request(msg.token_ids, params, uid=msg.uid)])
         except InvalidRequestError as e:
-            self.send_out(m.RequestFailed(uid=msg.uid, message=str(e), param=e.param, code=e.code))
+            self.send_out(m.RequestFailed.invalid(msg.uid, e))
         except Exception as e:  # a bug must fail this request, not every request
             log.exception("add_request failed")
             self.send_out(m.RequestFailed(uid=msg.uid, message=f"internal error: {e}", status=500))

@@ -46,7 +46,8 @@ def text_bytes(value) -> int:
 
 def _too_long(max_tokens: int, found: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(f"this model's maximum context length is {max_tokens + 1} tokens (prompt at most "
-                               f"{max_tokens}, leaving one for the answer), but the prompt {found}", param)
+                               f"{max_tokens}, leaving one for the answer), but the prompt {found}", param,
+                               "context_length_exceeded")
 
 
 class PromptMeter:

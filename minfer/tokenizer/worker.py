@@ -104,7 +104,7 @@ class TokenizerWorker:
         try:
             ids = self.prompt_ids(req)
         except InvalidRequestError as e:
-            self.send_api(m.RequestFailed(uid=req.uid, message=str(e), param=e.param))
+            self.send_api(m.RequestFailed.invalid(req.uid, e))
             return
         if self.tracer.enabled:
             self.tracer.emit("tokenized", req.uid, prompt_len=len(ids))
