@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 # the environment) checks that each KV page is owned exactly once (KVManager.check).
 os.environ.setdefault("MINFER_CHECK_KV_INVARIANTS", "1")
 
-from tiny_models import ARCHS, save_tiny_model
+from tiny_models import ARCHS, save_tiny_chat_model, save_tiny_model
 
 
 @pytest.fixture(scope="session", params=ARCHS)
@@ -24,3 +24,9 @@ def tiny_model(request, tmp_path_factory):
     """(arch, path, hf_model) for each architecture."""
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     return request.param, str(path), save_tiny_model(request.param, path)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> str:
+    """A random 2-layer Llama with the default model's tokenizer (tiny_models.save_tiny_chat_model)."""
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))

@@ -31,7 +31,7 @@ from minfer.ipc.ipc_dir import IpcDir
 from minfer.ipc.process import dead_workers
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
 from minfer.observability.trace import NULL_TRACER, RequestTracer
-from minfer.scheduler.worker import run_scheduler_worker
+from minfer.runner.worker import run_scheduler_worker
 from minfer.server.client import EngineClient
 from minfer.tokenizer.detokenizer_worker import run_detokenizer_worker
 from minfer.tokenizer.worker import run_tokenizer_worker

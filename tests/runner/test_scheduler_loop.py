@@ -1,4 +1,4 @@
-"""The scheduler worker's message handling around a real Scheduler (tiny model), without sockets."""
+"""The scheduler worker's message handling around a real Runner (tiny model), without sockets."""
 
 from __future__ import annotations
 
@@ -6,17 +6,16 @@ import pytest
 
 from minfer.config import EngineConfig
 from minfer.core import SamplingParams
-from minfer.engine.engine import Engine
 from minfer.ipc import messages as m
-from minfer.scheduler.scheduler import Scheduler
-from minfer.scheduler.worker import SchedulerLoop
+from minfer.runner.runner import Runner
+from minfer.runner.worker import SchedulerLoop
 
 
 @pytest.fixture
 def loop(tiny_chat_model):
     sent = []
-    engine = Engine(EngineConfig(model=tiny_chat_model, kv_cache_tokens=1024, max_model_len=2048))
-    return SchedulerLoop(Scheduler(engine), sent.append), sent
+    runner = Runner(EngineConfig(model=tiny_chat_model, kv_cache_tokens=1024, max_model_len=2048))
+    return SchedulerLoop(runner, sent.append), sent
 
 
 def run(loop: SchedulerLoop) -> None:
@@ -39,10 +38,10 @@ def test_request_runs_and_reports_tokens(loop):
 
 def test_max_tokens_auto_fills_what_fits(loop):
     loop, sent = loop
-    assert loop.max_request_tokens == 1024 - loop.scheduler.decode_reserve_pages  # the pool, smaller than the context
+    assert loop.runner.max_request_tokens == 1024 - loop.scheduler.decode_reserve_pages  # the pool, smaller than the context
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     loop.handle(m.TokenizedRequest(uid=1, token_ids=[5] * 100, params=params, max_tokens_auto=True))
-    assert loop.scheduler.by_uid[1].params.max_tokens == loop.max_request_tokens - 100
+    assert loop.scheduler.by_uid[1].params.max_tokens == loop.runner.max_request_tokens - 100
     loop.handle(m.AbortRequest(uid=1))
     assert tokens_of(sent, 1) == [(None, "abort")]
     assert loop.live_info()["kv_pool"]["used_pages"] == 0

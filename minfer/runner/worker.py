@@ -25,34 +25,21 @@ from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
 from minfer.observability.metrics import RequestTimer, StatsLogger, scheduler_stats
 
 if TYPE_CHECKING:  # the api server imports this module to spawn it; torch loads in the child only
-    from minfer.runner.step_sync import StepLeader
-    from minfer.scheduler.scheduler import Scheduler, StepOutput
+    from minfer.runner.runner import Runner
+    from minfer.scheduler.scheduler import StepOutput
 
 log = logging.getLogger(__name__)
 
 
 class SchedulerLoop:
-    """Message handling around a Scheduler, separate from the sockets so tests can drive it."""
+    """Message handling around a Runner, separate from the sockets so tests can drive it."""
 
-    def __init__(self, scheduler: Scheduler, send_out, tp_leader: StepLeader | None = None):
-        self.scheduler = scheduler
+    def __init__(self, runner: Runner, send_out):
+        self.runner = runner
+        self.scheduler = runner.scheduler
         self.send_out = send_out
-        if tp_leader is None:
-            from minfer.distributed.parallel import SINGLE
-            from minfer.runner.step_sync import StepLeader
-
-            tp_leader = StepLeader(SINGLE)
-        # With tensor parallelism, request changes reach the other ranks through the leader.
-        self.tp_leader = tp_leader
         self.timer = RequestTimer()  # queue and prefill time, sent with each first token
-        self.stats_log = StatsLogger(scheduler.config.log_stats_interval)
-
-    @property
-    def max_request_tokens(self) -> int:
-        """Prompt + max_tokens a request may have: the context, or the KV pool if smaller."""
-        sched = self.scheduler
-        pool_tokens = (sched.kv.num_pages - sched.decode_reserve_pages) * sched.config.page_size
-        return min(sched.engine.max_model_len, pool_tokens)
+        self.stats_log = StatsLogger(runner.config.log_stats_interval)
 
     def handle(self, msg: m.Message) -> None:
         if isinstance(msg, m.TokenizedRequest):
@@ -63,9 +50,8 @@ class SchedulerLoop:
             if req is not None:
                 self.timer.arrived(msg.uid, req.arrival_time)
         elif isinstance(msg, m.AbortRequest):
-            out = self.scheduler.abort(msg.uid)
+            out = self.runner.abort(msg.uid)
             if out is not None:
-                self.tp_leader.request_aborted(msg.uid)
                 self.send_outputs([out])
         elif isinstance(msg, m.InfoQuery):
             self.send_out(m.InfoReply(call_id=msg.call_id, info=self.live_info()))
@@ -73,11 +59,8 @@ class SchedulerLoop:
             log.warning("scheduler ignored an unexpected %s", type(msg).__name__)
 
     def add(self, msg: m.TokenizedRequest) -> None:
-        params = msg.params
-        if msg.max_tokens_auto:
-            params.max_tokens = max(1, self.max_request_tokens - len(msg.token_ids))
         try:
-            self.tp_leader.requests_added([self.scheduler.add_request(msg.token_ids, params, uid=msg.uid)])
+            self.runner.add(msg.token_ids, msg.params, uid=msg.uid, max_tokens_auto=msg.max_tokens_auto)
         except InvalidRequestError as e:
             self.send_out(m.RequestFailed.invalid(msg.uid, e))
         except Exception as e:  # a bug must fail this request, not every request
@@ -87,7 +70,7 @@ class SchedulerLoop:
     def step(self) -> None:
         start = time.monotonic()
         prefill_steps = self.scheduler.counters.prefill_steps
-        outputs = self.tp_leader.step(self.scheduler)
+        outputs = self.runner.step()
         self.timer.after_step(self.scheduler, start, self.scheduler.counters.prefill_steps != prefill_steps)
         if outputs:
             self.send_outputs(outputs, start)
@@ -112,7 +95,7 @@ class SchedulerLoop:
         engine = self.scheduler.engine
         return {"model": engine.source.name, "max_model_len": engine.max_model_len,
                 "vocab_size": engine.vocab_size, "device": str(engine.device), "dtype": str(engine.dtype),
-                "max_running_requests": engine.max_running_requests, "max_request_tokens": self.max_request_tokens,
+                "max_running_requests": engine.max_running_requests, "max_request_tokens": self.runner.max_request_tokens,
                 "eos_token_ids": sorted(engine.eos_token_ids),
                 "memory": engine.memory.as_dict(), "memory_line": engine.memory.describe(engine.max_model_len)}
 
@@ -136,27 +119,23 @@ def run_scheduler_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
     sock = inbox(ctx, endpoints.scheduler)
     to_detokenizer = outbox(ctx, endpoints.detokenizer)
     try:
-        from minfer.runner.ranks import start_rank_zero
-        from minfer.engine.engine import Engine, freeze_long_lived_objects
-        from minfer.scheduler.scheduler import Scheduler
+        from minfer.engine.engine import freeze_long_lived_objects
+        from minfer.runner.runner import Runner
 
-        # With --tp N this is rank 0; launch.py started the other ranks.
-        tp_leader = start_rank_zero(config, spawn_followers=False)
-        scheduler = Scheduler(Engine(config, tp_leader.tp))
-        tp_leader.agree(scheduler.engine)
+        runner = Runner(config, spawn_followers=False)  # with --tp N: rank 0; launch.py started the others
         freeze_long_lived_objects()
     except Exception as e:
         log.exception("the engine failed to start")
         send(to_detokenizer, m.WorkerFailed(role="scheduler", message=f"{type(e).__name__}: {e}"))
         to_detokenizer.close(linger=2000)  # deliver the failure before exiting
         raise SystemExit(1)
-    loop = SchedulerLoop(scheduler, lambda msg: send(to_detokenizer, msg), tp_leader)
+    loop = SchedulerLoop(runner, lambda msg: send(to_detokenizer, msg))
     send(to_detokenizer, m.WorkerReady(role="scheduler", pid=os.getpid(), info=loop.startup_info()))
     try:
         while parent_alive(parent_pid):
-            for msg in recv_ready(sock, timeout_ms=0 if scheduler.has_work else 1000):
+            for msg in recv_ready(sock, timeout_ms=0 if runner.has_work else 1000):
                 loop.handle(msg)
-            if scheduler.has_work:
+            if runner.has_work:
                 loop.step()
     finally:
-        tp_leader.shutdown()
+        runner.shutdown()
