@@ -12,6 +12,7 @@ from minfer.runner.ranks import run_worker_node
 from minfer.runner.runner import Runner
 from minfer.engine.engine import Engine
 from minfer.tokenizer.detokenizer import IncrementalDetokenizer
+from minfer.tokenizer.intake import PromptEncoder
 
 log = logging.getLogger(__name__)
 
@@ -35,25 +36,21 @@ class LLM:
         weakref.finalize(self, self.runner.shutdown)
         self.engine: Engine = self.runner.engine
         self.scheduler = self.runner.scheduler
+        self.intake = PromptEncoder(self.engine.tokenizer, self.runner.max_request_tokens - 1)
         self.tokenizer = self.engine.tokenizer
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (also done at exit); a no-op with tp=1."""
         self.runner.shutdown()
 
-    # -- prompts -------------------------------------------------------------------------------
+    # -- prompts: through the same intake as the server's tokenizer worker ----------------------
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(f"model {self.engine.source.name!r} has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt)
+            return self.intake.encode(prompt=prompt)
         return list(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError(f"model {self.engine.source.name!r} has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.intake.encode(messages=messages)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""

@@ -48,9 +48,14 @@ def fit_history(llm, history: list[dict]) -> list[int]:
     """The prompt of the conversation, dropping the oldest exchanges until a reply still fits."""
     limit = llm.engine.max_model_len
     while True:
-        ids = llm.apply_chat_template(history)
         first = 1 if history[0]["role"] == "system" else 0
-        if len(ids) < limit - 16 or len(history) - first <= 1:
+        try:
+            ids = llm.apply_chat_template(history)
+        except InvalidRequestError as e:  # the intake refuses what is certainly too long
+            if e.code != "context_length_exceeded" or len(history) - first <= 1:
+                raise
+            ids = None
+        if ids is not None and (len(ids) < limit - 16 or len(history) - first <= 1):
             return ids
         del history[first:first + 2]  # a user turn and its answer
 

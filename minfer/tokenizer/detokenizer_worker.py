@@ -25,7 +25,7 @@ from minfer.ipc.process import parent_alive, setup_worker_process
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
 from minfer.observability.trace import NULL_TRACER, RequestTracer
 from minfer.tokenizer.detokenizer import IncrementalDetokenizer
-from minfer.tokenizer.worker import load_model_tokenizer
+from minfer.tokenizer.intake import load_model_tokenizer
 
 log = logging.getLogger(__name__)
 

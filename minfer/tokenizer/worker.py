@@ -21,36 +21,9 @@ from minfer.ipc import messages as m
 from minfer.ipc.process import parent_alive, setup_worker_process
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
 from minfer.observability.trace import NULL_TRACER, RequestTracer
-from minfer.tokenizer.prompt_limits import PromptMeter, text_bytes
+from minfer.tokenizer.intake import PromptEncoder, encode_text, load_model_tokenizer, render_chat
 
 log = logging.getLogger(__name__)
-
-
-def load_model_tokenizer(config: EngineConfig):
-    from minfer.models.loader import load_tokenizer, resolve_model
-
-    return load_tokenizer(resolve_model(config.model, config.load_format))
-
-
-def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """A conversation as text under the model's chat template (same as `LLM.chat`)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("this model has no chat template: use /v1/completions", "messages")
-    try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-    except Exception as e:  # jinja raises for conversations the template refuses (roles order, ...)
-        raise InvalidRequestError(f"the chat template rejected the messages: {e}", "messages") from e
-
-
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation under the model's chat template."""
-    return tokenizer.encode(render_chat_text(tokenizer, messages, add_generation_prompt), add_special_tokens=False)
-
-
-def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
-    if tokenizer is None:
-        raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def tokenizer_info(tokenizer) -> dict:
@@ -74,7 +47,7 @@ class TokenizerWorker:
         self.tracer = tracer
         self.send_scheduler = send_scheduler
         self.send_api = send_api
-        self.meter = PromptMeter(tokenizer)  # its limit arrives once the scheduler is ready
+        self.encoder = PromptEncoder(tokenizer)  # its length limit arrives once the scheduler is ready
 
     def handle(self, msg: m.Message) -> None:
         """Handle one message; an unexpected error fails that request, not the worker."""
@@ -93,7 +66,7 @@ class TokenizerWorker:
         elif isinstance(msg, m.TokenizerCall):
             self.send_api(self.answer(msg))
         elif isinstance(msg, m.PromptLimits):
-            self.meter.max_prompt_tokens = msg.max_prompt_tokens
+            self.encoder.meter.max_prompt_tokens = msg.max_prompt_tokens
         elif isinstance(msg, (m.AbortRequest, m.InfoQuery)):
             self.send_scheduler(msg)
         else:
@@ -116,16 +89,7 @@ class TokenizerWorker:
                                                max_tokens_auto=req.max_tokens_auto, stream=stream))
 
     def prompt_ids(self, req: m.GenerateRequest) -> list[int]:
-        """The request's prompt as token ids; too long a text is refused before it is all tokenized."""
-        if req.messages is not None:
-            self.meter.check_bytes(text_bytes(req.messages), "messages")
-            text = render_chat_text(self.tokenizer, req.messages)
-            return self.meter.encode(text, add_special_tokens=False, param="messages")
-        if req.prompt is not None:
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
-            return self.meter.encode(req.prompt, req.add_special_tokens)
-        return list(req.prompt_ids or [])
+        return self.encoder.encode(req.prompt, req.prompt_ids, req.messages, req.add_special_tokens)
 
     def token_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""

@@ -1,0 +1,65 @@
+"""The request intake: a prompt (text, token ids or chat messages) becomes token ids, the same
+way for the server's tokenizer worker, the offline `LLM` and `minfer shell`.
+
+Too long a text is refused before it is all tokenized (prompt_limits.py); a conversation is
+rendered with the model's chat template. Errors are InvalidRequestError naming the field, with
+OpenAI's code where one applies, so every front end reports them alike. Outputs go the other
+way through detokenizer.IncrementalDetokenizer (incremental text and stop strings), which the
+same three front ends share.
+"""
+
+from __future__ import annotations
+
+from minfer.config import EngineConfig
+from minfer.core import InvalidRequestError
+from minfer.tokenizer.prompt_limits import PromptMeter, text_bytes
+
+
+def load_model_tokenizer(config: EngineConfig):
+    from minfer.models.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(config.model, config.load_format))
+
+
+def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """A conversation as text under the model's chat template."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model has no chat template: send a plain prompt (/v1/completions)",
+                                  "messages")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except Exception as e:  # jinja raises for conversations the template refuses (roles order, ...)
+        raise InvalidRequestError(f"the chat template rejected the messages: {e}", "messages") from e
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation under the model's chat template."""
+    return tokenizer.encode(render_chat_text(tokenizer, messages, add_generation_prompt), add_special_tokens=False)
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    if tokenizer is None:
+        raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+class PromptEncoder:
+    """Prompt -> token ids, refusing prompts longer than `max_prompt_tokens` (None: no limit yet)
+    as early as their bytes allow."""
+
+    def __init__(self, tokenizer, max_prompt_tokens: int | None = None):
+        self.tokenizer = tokenizer
+        self.meter = PromptMeter(tokenizer, max_prompt_tokens)
+
+    def encode(self, prompt: str | None = None, prompt_ids: list[int] | None = None,
+               messages: list[dict] | None = None, add_special_tokens: bool = True) -> list[int]:
+        """Exactly one of `prompt` (text), `prompt_ids` or `messages` (chat) is given."""
+        if messages is not None:
+            self.meter.check_bytes(text_bytes(messages), "messages")
+            text = render_chat_text(self.tokenizer, messages)
+            return self.meter.encode(text, add_special_tokens=False, param="messages")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
+            return self.meter.encode(prompt, add_special_tokens)
+        return list(prompt_ids or [])
