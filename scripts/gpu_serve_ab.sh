@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# A/B on one machine: the server of 64b97fd (before this session) vs the working tree, same client.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT; ROOT=$PWD
+serve_and_bench() {  # label, pythonpath, port
+  local label=$1 pp=$2 port=$3
+  # python -m puts the working directory first on sys.path: start each server from its own tree
+  (cd $pp && PYTHONPATH=/tmp/site exec python3 -m minfer serve $ROOT/.gpu/qwen3-0.6b --load-format dummy --port $port --log-stats-interval 0) > $OUT/$label.log 2>&1 &
+  local pid=$!
+  for _ in $(seq 240); do curl -sf http://127.0.0.1:$port/health > /dev/null && break; sleep 1; done
+  for run in warm 1 2; do
+    local extra=""; [ $run = warm ] && extra="--num-prompts 64 --seed 7"
+    PYTHONPATH=/tmp/site:$PWD python3 -m minfer bench serve --base-url http://127.0.0.1:$port --no-progress --client-processes 4 \
+      --workload nano-vllm $extra 2>&1 | grep -E "Output token throughput|TTFT|ITL|duration" | sed "s/^/$label $run: /"
+  done
+  kill -TERM $pid; wait $pid
+}
+serve_and_bench old $ROOT/.gpu/old 8124
+serve_and_bench new $ROOT 8125
+serve_and_bench old2 $ROOT/.gpu/old 8126
+serve_and_bench new2 $ROOT 8127
