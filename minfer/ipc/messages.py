@@ -177,16 +177,23 @@ class TokenizerResult(Message):
     error: str | None = None
 
 
-AnyMessage = (GenerateRequest | AbortRequest | TokenizerCall | InfoQuery | PromptLimits | StreamStart
-              | TokenizedRequest | TokenOutputs | RequestFailed | InfoReply | WorkerReady | WorkerFailed | ReplyBatch | TokenizerResult)
+# What each process's inbox may receive. Decoding with its own union makes a message sent to the
+# wrong process fail loudly (msgspec.ValidationError) instead of being silently mishandled.
+INBOX_MESSAGES = {
+    "tokenizer": GenerateRequest | AbortRequest | TokenizerCall | InfoQuery | PromptLimits,
+    "scheduler": TokenizedRequest | AbortRequest | InfoQuery,
+    "detokenizer": StreamStart | TokenOutputs | RequestFailed | InfoReply | WorkerReady | WorkerFailed,
+    "api": ReplyBatch | RequestFailed | TokenizerResult | InfoReply | WorkerReady | WorkerFailed,
+}
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(AnyMessage)
+_decoders = {inbox: msgspec.msgpack.Decoder(union) for inbox, union in INBOX_MESSAGES.items()}
 
 
 def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes) -> Message:
-    return _decoder.decode(data)
+def decode(data: bytes, inbox: str) -> Message:
+    """A message that arrived at `inbox` ("tokenizer", "scheduler", "detokenizer", "api")."""
+    return _decoders[inbox].decode(data)

@@ -49,13 +49,14 @@ def send(sock: zmq.Socket, msg: Message) -> None:
     sock.send(encode(msg), copy=False)
 
 
-def recv_ready(sock: zmq.Socket, timeout_ms: int = 0) -> list[Message]:
-    """Every message waiting in `sock`, waiting up to `timeout_ms` for the first (-1: forever)."""
+def recv_ready(sock: zmq.Socket, inbox: str, timeout_ms: int = 0) -> list[Message]:
+    """Every message waiting in `sock` (the inbox named `inbox`, see messages.INBOX_MESSAGES),
+    waiting up to `timeout_ms` for the first (-1: forever)."""
     if not sock.poll(timeout_ms, zmq.POLLIN):
         return []
     msgs = []
     while True:
         try:
-            msgs.append(decode(sock.recv(zmq.NOBLOCK)))
+            msgs.append(decode(sock.recv(zmq.NOBLOCK), inbox))
         except zmq.Again:
             return msgs

@@ -133,7 +133,7 @@ def run_scheduler_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
     send(to_detokenizer, m.WorkerReady(role="scheduler", pid=os.getpid(), info=loop.startup_info()))
     try:
         while parent_alive(parent_pid):
-            for msg in recv_ready(sock, timeout_ms=0 if runner.has_work else 1000):
+            for msg in recv_ready(sock, "scheduler", timeout_ms=0 if runner.has_work else 1000):
                 loop.handle(msg)
             if runner.has_work:
                 loop.step()

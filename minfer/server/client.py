@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from minfer.ipc import messages as m
 from minfer.ipc.sockets import send
+from minfer.observability.events import RECEIVED
 from minfer.observability.metrics import ServerMetrics
 from minfer.observability.trace import NULL_TRACER, RequestTracer
 from minfer.server.errors import APIError
@@ -71,7 +72,7 @@ class EngineClient:
     async def _receive(self) -> None:
         sock = zmq.asyncio.Socket.from_socket(self.inbox)
         while True:
-            self.route(m.decode(await sock.recv()))
+            self.route(m.decode(await sock.recv(), "api"))
 
     def route(self, msg: m.Message) -> None:
         if isinstance(msg, m.ReplyBatch):
@@ -120,7 +121,7 @@ class EngineClient:
         self.queues[request.uid] = queue
         self.metrics.request_started(request.uid, time.monotonic())
         if self.tracer.enabled:
-            self.tracer.emit("received", request.uid)
+            self.tracer.emit(RECEIVED, request.uid)
         send(self.to_tokenizer, request)
 
     def abort(self, uid: int, forget: bool = True) -> None:

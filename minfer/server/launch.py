@@ -96,7 +96,7 @@ def wait_until_ready(sock: zmq.Socket, workers: Workers) -> dict[str, dict]:
     """Wait for every worker's WorkerReady; fail fast when one fails or dies."""
     ready: dict[str, dict] = {}
     while len(ready) < len(workers.procs):
-        for msg in recv_ready(sock, timeout_ms=200):
+        for msg in recv_ready(sock, "api", timeout_ms=200):
             if isinstance(msg, m.WorkerReady):
                 ready[msg.role] = msg.info
             elif isinstance(msg, m.WorkerFailed):

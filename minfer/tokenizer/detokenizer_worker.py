@@ -23,6 +23,7 @@ from minfer.core import TokenLogprobs
 from minfer.ipc import messages as m
 from minfer.ipc.process import parent_alive, setup_worker_process
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
+from minfer.observability.events import DETOKENIZED
 from minfer.observability.trace import NULL_TRACER, RequestTracer
 from minfer.tokenizer.detokenizer import IncrementalDetokenizer
 from minfer.tokenizer.intake import load_model_tokenizer
@@ -107,7 +108,7 @@ class DetokenizerWorker:
                 reply.prompt_text, state.prompt_text = state.prompt_text, None
                 self.replies.append(reply)
                 if self.tracer.enabled:
-                    self.tracer.emit("detokenized", uid, text_len=len(text),
+                    self.tracer.emit(DETOKENIZED, uid, text_len=len(text),
                                      completion_tokens=state.completion_tokens, finish_reason=finish)
 
     def token_text(self, token_ids: list[int]) -> str:
@@ -146,6 +147,6 @@ def run_detokenizer_worker(config: EngineConfig, endpoints: Endpoints, parent_pi
     worker = DetokenizerWorker(tokenizer, lambda msg: send(to_scheduler, msg), lambda msg: send(to_api, msg), tracer)
     send(to_api, m.WorkerReady(role="detokenizer", pid=os.getpid(), info={}))
     while parent_alive(parent_pid):
-        for msg in recv_ready(sock, timeout_ms=1000):
+        for msg in recv_ready(sock, "detokenizer", timeout_ms=1000):
             worker.handle(msg)
         worker.flush()

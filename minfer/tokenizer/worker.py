@@ -20,6 +20,7 @@ from minfer.core import InvalidRequestError
 from minfer.ipc import messages as m
 from minfer.ipc.process import parent_alive, setup_worker_process
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
+from minfer.observability.events import TOKENIZED
 from minfer.observability.trace import NULL_TRACER, RequestTracer
 from minfer.tokenizer.intake import PromptEncoder, encode_text, load_model_tokenizer, render_chat
 
@@ -80,7 +81,7 @@ class TokenizerWorker:
             self.send_api(m.RequestFailed.invalid(req.uid, e))
             return
         if self.tracer.enabled:
-            self.tracer.emit("tokenized", req.uid, prompt_len=len(ids))
+            self.tracer.emit(TOKENIZED, req.uid, prompt_len=len(ids))
         prompt_text = None
         if req.echo:
             prompt_text = req.prompt if req.prompt is not None else self.token_text(ids)
@@ -138,5 +139,5 @@ def run_tokenizer_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
     worker = TokenizerWorker(tokenizer, lambda msg: send(to_scheduler, msg), lambda msg: send(to_api, msg), tracer)
     send(to_api, m.WorkerReady(role="tokenizer", pid=os.getpid(), info=tokenizer_info(tokenizer)))
     while parent_alive(parent_pid):
-        for msg in recv_ready(sock, timeout_ms=1000):
+        for msg in recv_ready(sock, "tokenizer", timeout_ms=1000):
             worker.handle(msg)

@@ -54,9 +54,9 @@ def outputs(*rows) -> m.TokenOutputs:
 
 def test_messages_round_trip():
     msg = m.GenerateRequest(uid=3, params=SamplingParams(stop=["x"], seed=1), messages=[{"role": "user", "content": "hi"}])
-    assert m.decode(m.encode(msg)) == msg
+    assert m.decode(m.encode(msg), "tokenizer") == msg
     batch = m.ReplyBatch(replies=[m.Reply(1, "a", [5], 3, 1, "stop", "x")])
-    assert m.decode(m.encode(batch)) == batch
+    assert m.decode(m.encode(batch), "api") == batch
 
 
 def test_text_prompt_is_tokenized_and_replies_carry_text(worker, tokenizer):
@@ -125,3 +125,13 @@ def test_tokenizer_calls(worker, tokenizer):
     assert enc.token_strs == tokenizer.convert_ids_to_tokens(enc.token_ids)
     assert dec.text == "hi there" and bad.error and "[0," in bad.error
     assert info.info["eos_token"] == tokenizer.eos_token and info.info["chat_template"]
+
+
+def test_a_message_sent_to_the_wrong_inbox_fails_to_decode():
+    import msgspec
+
+    request = m.GenerateRequest(uid=3, params=SamplingParams(), prompt="hi")
+    with pytest.raises(msgspec.ValidationError):
+        m.decode(m.encode(request), "scheduler")  # the scheduler takes tokenized requests only
+    with pytest.raises(msgspec.ValidationError):
+        m.decode(m.encode(m.ReplyBatch(replies=[])), "tokenizer")
