@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import msgspec
 
@@ -128,6 +129,25 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return self.temperature == 0 or self.top_k == 1
 
 
+class FinishReason(str, Enum):
+    """Why a request ended; a str, so it compares, encodes and prints as "stop" | "length" | "abort"."""
+
+    STOP = "stop"  # an EOS or stop token, a stop string, or the grammar's end
+    LENGTH = "length"  # max_tokens, or the context is full
+    ABORT = "abort"  # the client went away, asked to abort, timed out, or the server stopped
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class LogprobRow(NamedTuple):
+    """One scored position: the chosen token's logprob and the top-k alternatives."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class Phase(str, Enum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -146,7 +166,7 @@ class Req:
     cached_len: int = 0
     device_len: int = 0
     table_idx: int = -1  # row of the page table (and token table) while the request holds one
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     arrival_time: float = 0.0
     # Slots of the cached prefix this request borrowed from the prefix cache (its handle).
     cache_handle: object | None = None
@@ -157,7 +177,7 @@ class Req:
     preempted: bool = False  # sent back to the queue; its next admission is a resume
     # Prompt logprobs by position (entry p scores token p + 1), filled chunk by chunk during
     # prefill when params.prompt_logprobs is set, sent with the first token.
-    prompt_logprobs: dict[int, tuple[float, list[int], list[float]]] | None = None
+    prompt_logprobs: dict[int, LogprobRow] | None = None
     grammar: object | None = None  # the xgrammar matcher of params.structured_output
 
     def __post_init__(self) -> None:

@@ -7,7 +7,7 @@ import weakref
 from typing import Sequence
 
 from minfer.config import EngineConfig, config_from_kwargs
-from minfer.core import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
+from minfer.core import FinishReason, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
 from minfer.runner.ranks import run_worker_node
 from minfer.runner.runner import Runner
 from minfer.engine.engine import Engine
@@ -105,9 +105,9 @@ class LLM:
                     detok.add(out.token_id)
                     if detok.matched_stop is not None and not out.finish_reason:
                         runner.abort(out.uid)
-                        out.finish_reason = "stop"
+                        out.finish_reason = FinishReason.STOP
                     if out.finish_reason:
-                        by_uid[out.uid].finish_reason = "stop" if detok.matched_stop else out.finish_reason
+                        by_uid[out.uid].finish_reason = FinishReason.STOP if detok.matched_stop else out.finish_reason
                 if out.logprobs is not None and out.uid in logprobs:
                     logprobs[out.uid].extend(out.logprobs)
                 if out.prompt_logprobs is not None:

@@ -13,7 +13,7 @@ import torch
 
 from minfer.attention.base import ForwardContext, build_metadata
 from minfer.config import EngineConfig, default_max_running_requests
-from minfer.core import Batch, Phase
+from minfer.core import Batch, LogprobRow, Phase
 from minfer.device import to_device
 from minfer.distributed.parallel import SINGLE, TPGroup
 from minfer.engine.logprobs import LogprobTensors, reduce_logprobs, rows_of
@@ -103,10 +103,9 @@ class ForwardResult:
     def tokens(self) -> list[int]:
         return self._read()[0].tolist()
 
-    def logprobs(self) -> tuple[dict[int, tuple[float, list[int], list[float]]],
-                                list[tuple[int, int, list[tuple[float, list[int], list[float]]]]]]:
-        """(req index -> (logprob, top ids, top logprobs) of its sampled token,
-        [(req index, first position, per-position rows)] of prompt logprobs)."""
+    def logprobs(self) -> tuple[dict[int, LogprobRow], list[tuple[int, int, list[LogprobRow]]]]:
+        """(req index -> the row of its sampled token, [(req index, first position, per-position
+        rows)] of prompt logprobs)."""
         host = self._read()[1:]
         sampled, prompt = {}, []
         if self.sampled_logprobs is not None:

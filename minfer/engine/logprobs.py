@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minfer.core import LogprobRow
+
 # Rows reduced at once: bounds the float32 [rows, vocab] temporaries of a long prompt.
 ROWS_PER_CHUNK = 256
 
@@ -45,6 +47,6 @@ def reduce_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> Logp
     return LogprobTensors(torch.cat(targets_out), torch.cat(values_out), torch.cat(ids_out))
 
 
-def rows_of(result: LogprobTensors) -> list[tuple[float, list[int], list[float]]]:
-    """Host tensors -> one (logprob, top ids, top logprobs) per row."""
-    return list(zip(result.target.tolist(), result.top_ids.tolist(), result.top_values.tolist()))
+def rows_of(result: LogprobTensors) -> list[LogprobRow]:
+    """Host tensors -> one row per scored position."""
+    return list(map(LogprobRow, result.target.tolist(), result.top_ids.tolist(), result.top_values.tolist()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minfer.core import Batch, Req, TokenLogprobs
+from minfer.core import Batch, FinishReason, Req, TokenLogprobs
 from minfer.engine.engine import ForwardResult
 from minfer.observability.scheduler_trace import NullSchedulerTrace
 
@@ -15,14 +15,14 @@ class StepOutput:
 
     uid: int
     token_id: int | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it, when one did
     logprobs: TokenLogprobs | None = None  # of token_id, when the request asked
     prompt_logprobs: TokenLogprobs | None = None  # with the first token, when the request asked
 
 
 def read_results(batch: Batch, result: ForwardResult, max_model_len: int,
-                 trace: NullSchedulerTrace) -> tuple[list[StepOutput], list[tuple[Req, str]]]:
+                 trace: NullSchedulerTrace) -> tuple[list[StepOutput], list[tuple[Req, FinishReason]]]:
     """Append each sampled token to its request; returns the outputs and the requests that
     end with them (and why), for the scheduler to finish."""
     outputs, ending = [], []
@@ -44,30 +44,29 @@ def read_results(batch: Batch, result: ForwardResult, max_model_len: int,
         if req.grammar is not None and not reason:
             req.grammar.accept_token(token)
             if req.grammar.is_terminated():
-                reason = "stop"
+                reason = FinishReason.STOP
         if reason:
             ending.append((req, reason))
         out = StepOutput(req.uid, token, reason, stop_reason)
         if i in sampled_logprobs:
-            logprob, top_ids, top_values = sampled_logprobs[i]
-            k = req.params.logprobs
-            out.logprobs = TokenLogprobs([token], [logprob], [top_ids[:k]], [top_values[:k]])
+            row, k = sampled_logprobs[i], req.params.logprobs
+            out.logprobs = TokenLogprobs([token], [row.logprob], [row.top_ids[:k]], [row.top_logprobs[:k]])
         if req.output_len == 1 and req.params.prompt_logprobs is not None:
             out.prompt_logprobs = prompt_logprobs_of(req)
         outputs.append(out)
     return outputs, ending
 
 
-def finish_reason(req: Req, token: int, max_model_len: int) -> tuple[str | None, int | None]:
+def finish_reason(req: Req, token: int, max_model_len: int) -> tuple[FinishReason | None, int | None]:
     """Why the request ends with `token` (just appended), and the stop token id if one did it."""
     p = req.params
     if req.output_len >= p.min_tokens:
         if token in p.stop_token_ids:
-            return "stop", token
+            return FinishReason.STOP, token
         if not p.ignore_eos and token in req.eos_token_ids:
-            return "stop", None
+            return FinishReason.STOP, None
     if req.output_len >= p.max_tokens or req.device_len >= max_model_len:
-        return "length", None
+        return FinishReason.LENGTH, None
     return None, None
 
 
@@ -77,9 +76,9 @@ def prompt_logprobs_of(req: Req) -> TokenLogprobs:
     scored = req.prompt_logprobs or {}
     out = TokenLogprobs(list(req.token_ids[:req.prompt_len]), [None], [[]], [[]])
     for position in range(req.prompt_len - 1):
-        logprob, top_ids, top_values = scored[position]
-        out.logprobs.append(logprob)
-        out.top_ids.append(top_ids[:k])
-        out.top_logprobs.append(top_values[:k])
+        row = scored[position]
+        out.logprobs.append(row.logprob)
+        out.top_ids.append(row.top_ids[:k])
+        out.top_logprobs.append(row.top_logprobs[:k])
     req.prompt_logprobs = None
     return out

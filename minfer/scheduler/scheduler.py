@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from minfer.config import EngineConfig
-from minfer.core import Batch, InvalidRequestError, Phase, Req, SamplingParams
+from minfer.core import Batch, FinishReason, InvalidRequestError, Phase, Req, SamplingParams
 from minfer.engine.engine import Engine, ForwardResult
 from minfer.kvcache.manager import KVManager
 from minfer.observability.scheduler_trace import scheduler_trace
@@ -139,8 +139,8 @@ class Scheduler:
         req = self.by_uid.get(uid)
         if req is None:
             return None
-        self.finish(req, "abort")
-        return StepOutput(uid, None, "abort")
+        self.finish(req, FinishReason.ABORT)
+        return StepOutput(uid, None, FinishReason.ABORT)
 
     @property
     def has_work(self) -> bool:
@@ -214,7 +214,7 @@ class Scheduler:
             self.finish(req, reason)
         return outputs
 
-    def finish(self, req: Req, reason: str) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
         """End a request wherever it is (a queue, or a pass in flight) and hand back its KV."""
         req.finish_reason = reason
         self.queues.remove(req)  # a preempted one may sit in waiting while its last pass flies
