@@ -1,13 +1,15 @@
 """The scheduler's trace events, written in one place.
 
 The scheduler calls one method per moment of a request's life; `SchedulerTrace` turns each into
-the event lines of docs/TRACE.md, `NullSchedulerTrace` (tracing off) does nothing. The
-scheduler never builds an event itself, so an untraced step pays one no-op call per moment.
+the event lines declared in observability/events.py, `NullSchedulerTrace` (tracing off) does
+nothing. The scheduler never builds an event itself, so an untraced step pays one no-op call
+per moment.
 """
 
 from __future__ import annotations
 
 from minfer.core import Batch, Req
+from minfer.observability import events as schema
 from minfer.observability.trace import RequestTracer, slot_ranges
 
 
@@ -37,21 +39,23 @@ class SchedulerTrace(NullSchedulerTrace):
         self.tracer = tracer
 
     def pool(self, num_slots: int, page_size: int) -> None:
-        self.tracer.emit("kv_pool", -1, num_slots=num_slots, page_size=page_size)
+        self.tracer.emit(schema.KV_POOL, -1, num_slots=num_slots, page_size=page_size)
 
     def queued(self, req: Req) -> None:
-        self.tracer.emit("queued", req.uid, prompt_len=req.prompt_len, max_tokens=req.params.max_tokens)
+        self.tracer.emit(schema.QUEUED, req.uid, prompt_len=req.prompt_len, max_tokens=req.params.max_tokens)
 
     def admitted(self, req: Req, resumed: bool) -> None:
         if resumed:
-            self.tracer.emit("resumed", req.uid, **req.state())
-        self.tracer.emit("prefix_matched", req.uid, hit_tokens=req.cached_len, queried_tokens=req.device_len - 1)
+            self.tracer.emit(schema.RESUMED, req.uid, **req.state())
+        self.tracer.emit(schema.PREFIX_MATCHED, req.uid, hit_tokens=req.cached_len,
+                         queried_tokens=req.device_len - 1)
 
     def scheduled(self, batch: Batch) -> None:
         start = 0
         for req, n in zip(batch.reqs, batch.extend_lens):
-            self.tracer.emit("batch_scheduled", req.uid, phase=batch.phase.value, batch_size=batch.size, chunk=n)
-            self.tracer.emit("kv_slots_allocated", req.uid, **req.state(), num_slots=n,
+            self.tracer.emit(schema.BATCH_SCHEDULED, req.uid, phase=batch.phase.value, batch_size=batch.size,
+                             chunk=n)
+            self.tracer.emit(schema.KV_SLOTS_ALLOCATED, req.uid, **req.state(), num_slots=n,
                              out_loc=slot_ranges(batch.out_loc[start:start + n]), table_idx=req.table_idx)
             start += n
 
@@ -61,29 +65,29 @@ class SchedulerTrace(NullSchedulerTrace):
             after = req.state()
             before = {"cached_len": after["cached_len"] - n, "device_len": after["device_len"] - sampled}
             before["extend_len"] = before["device_len"] - before["cached_len"]
-            self.tracer.emit("request_state_updated", req.uid, before=before, after=after)
+            self.tracer.emit(schema.REQUEST_STATE_UPDATED, req.uid, before=before, after=after)
             if req.uid in moved:
-                self.tracer.emit("prompt_cached", req.uid, cached_len=req.cached_len,
+                self.tracer.emit(schema.PROMPT_CACHED, req.uid, cached_len=req.cached_len,
                                  repointed=[list(m) for m in moved[req.uid]])
 
     def forward_done(self, batch: Batch) -> None:
         for req in batch.reqs:
             if not req.finished:
-                self.tracer.emit("forward_done", req.uid, phase=batch.phase.value)
+                self.tracer.emit(schema.FORWARD_DONE, req.uid, phase=batch.phase.value)
 
     def token_sampled(self, req: Req, token: int) -> None:
-        self.tracer.emit("token_sampled", req.uid, token_id=token, output_len=req.output_len + 1)
+        self.tracer.emit(schema.TOKEN_SAMPLED, req.uid, token_id=token, output_len=req.output_len + 1)
 
     def preempted(self, req: Req) -> None:
-        self.tracer.emit("preempted", req.uid, **req.state())
+        self.tracer.emit(schema.PREEMPTED, req.uid, **req.state())
 
     def released(self, req: Req, slots: list[int], page_size: int) -> None:
         kept = (req.cached_len // page_size) * page_size
-        self.tracer.emit("kv_released", req.uid, cached=slot_ranges(slots[:kept]),
+        self.tracer.emit(schema.KV_RELEASED, req.uid, cached=slot_ranges(slots[:kept]),
                          freed=slot_ranges(slots[kept:]), cached_len=req.cached_len)
 
     def ended(self, req: Req) -> None:
-        event = "aborted" if req.finish_reason == "abort" else "finished"
+        event = schema.ABORTED if req.finish_reason == "abort" else schema.FINISHED
         self.tracer.emit(event, req.uid, reason=req.finish_reason, prompt_len=req.prompt_len,
                          output_len=req.output_len, **req.state())
 

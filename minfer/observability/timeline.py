@@ -11,6 +11,8 @@ import itertools
 import statistics
 from dataclasses import dataclass, field
 
+from minfer.observability import events as schema
+
 
 @dataclass
 class RequestTimeline:
@@ -91,35 +93,35 @@ def build_timeline(events: list[dict]) -> Timeline:
 
     for ev in events:
         name, ts, uid = ev.get("event"), ev.get("ts", 0.0), ev.get("uid")
-        if name == "batch_scheduled":
+        if name == schema.BATCH_SCHEDULED.name:
             batch.append(ev)
-        elif name != "kv_slots_allocated":
+        elif name != schema.KV_SLOTS_ALLOCATED.name:
             close_batch()
         r = requests.get(uid)
         if r is None:
             r = requests[uid] = RequestTimeline(uid)
         r.events.append(ev)
-        if name == "received":
+        if name == schema.RECEIVED.name:
             r.received = ts
-        elif name == "queued":
+        elif name == schema.QUEUED.name:
             r.queued, r.prompt_len, r.max_tokens = ts, ev.get("prompt_len", 0), ev.get("max_tokens")
-        elif name == "prefix_matched":
+        elif name == schema.PREFIX_MATCHED.name:
             if r.admitted is None:
                 r.admitted, r.hit_tokens = ts, ev.get("hit_tokens", 0)
             if r.preemptions and r.preemptions[-1][1] is None:
                 r.preemptions[-1][1] = ts
-        elif name == "batch_scheduled":
+        elif name == schema.BATCH_SCHEDULED.name:
             if ev.get("phase") == "prefill":
                 r.prefill_chunks.append((ts, ev.get("chunk", 0)))
             else:
                 r.decode_steps += 1
-        elif name == "token_sampled":
+        elif name == schema.TOKEN_SAMPLED.name:
             r.token_times.append(ts)
             if r.first_token is None:
                 r.first_token = ts
-        elif name == "preempted":
+        elif name == schema.PREEMPTED.name:
             r.preemptions.append([ts, None])
-        elif name in ("finished", "aborted"):
+        elif name in (schema.FINISHED.name, schema.ABORTED.name):
             r.end, r.end_reason = ts, ev.get("reason")
     close_batch()
     kv_held = _slots_held(events)
@@ -197,34 +199,34 @@ def describe_event(ev: dict) -> str:
     name = ev.get("event")
 
     def lens(obj: dict) -> str:
-        return f"{obj.get('cached_len')}/{obj.get('device_len')}/{obj.get('extend_len')}"
+        return "/".join(str(obj.get(k)) for k in schema.LENGTHS)
 
-    if name == "queued":
+    if name == schema.QUEUED.name:
         return f"prompt_len {ev.get('prompt_len')}, max_tokens {ev.get('max_tokens')}"
-    if name == "tokenized":
+    if name == schema.TOKENIZED.name:
         return f"prompt_len {ev.get('prompt_len')}"
-    if name == "prefix_matched":
+    if name == schema.PREFIX_MATCHED.name:
         return f"hit {ev.get('hit_tokens')} of {ev.get('queried_tokens')} queried tokens"
-    if name == "batch_scheduled":
+    if name == schema.BATCH_SCHEDULED.name:
         return f"{ev.get('phase')} chunk {ev.get('chunk')} in a batch of {ev.get('batch_size')}"
-    if name == "kv_slots_allocated":
+    if name == schema.KV_SLOTS_ALLOCATED.name:
         ranges = ", ".join(f"[{a},{b})" for a, b in ev.get("out_loc", []))
         return f"{ev.get('num_slots')} slot(s) {ranges} row {ev.get('table_idx')} at c/d/e {lens(ev)}"
-    if name == "request_state_updated":
+    if name == schema.REQUEST_STATE_UPDATED.name:
         return f"c/d/e {lens(ev.get('before', {}))} -> {lens(ev.get('after', {}))}"
-    if name == "forward_done":
+    if name == schema.FORWARD_DONE.name:
         return f"{ev.get('phase')} pass done"
-    if name == "token_sampled":
+    if name == schema.TOKEN_SAMPLED.name:
         return f"token #{ev.get('output_len')} = {ev.get('token_id')}"
-    if name == "detokenized":
+    if name == schema.DETOKENIZED.name:
         return f"+{ev.get('text_len')} chars" + (f", {ev.get('finish_reason')}" if ev.get("finish_reason") else "")
-    if name in ("preempted", "resumed"):
+    if name in (schema.PREEMPTED.name, schema.RESUMED.name):
         return f"at c/d/e {lens(ev)}"
-    if name == "kv_released":
+    if name == schema.KV_RELEASED.name:
         def fmt(key: str) -> str:
             return ", ".join(f"[{a},{b})" for a, b in ev.get(key, [])) or "none"
         return f"cached {fmt('cached')}; freed {fmt('freed')}; keeps {ev.get('cached_len')}"
-    if name in ("finished", "aborted"):
+    if name in (schema.FINISHED.name, schema.ABORTED.name):
         return f"{ev.get('reason')}: output_len {ev.get('output_len')}, final c/d/e {lens(ev)}"
     return ""
 

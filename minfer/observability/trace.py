@@ -1,11 +1,12 @@
 """Request traces: one JSON line per event of a request's life, written off the hot path.
 
 Every line has `ts` (seconds, time.time()), `pid`, `uid`, `event`, and the event's fields; the
-schema is docs/TRACE.md. When tracing is off the tracer is `NULL_TRACER`, whose `enabled` is
-False: call sites test it before building any event, so an untraced run pays one attribute
-read per site. When on, `emit` only puts a tuple on a queue; a writer thread wakes every
-`FLUSH_INTERVAL_S`, serialises what accumulated and writes it with one O_APPEND write, so
-several processes (api server, tokenizer, scheduler) may share one file without tearing lines.
+schema is minfer/observability/events.py (docs/TRACE.md renders it). When tracing is off the
+tracer is `NULL_TRACER`, whose `enabled` is False: call sites test it before building any
+event, so an untraced run pays one attribute read per site. When on, `emit` only puts a tuple
+on a queue; a writer thread wakes every `FLUSH_INTERVAL_S`, serialises what accumulated and
+writes it with one O_APPEND write, so several processes (api server, tokenizer, detokenizer,
+scheduler) may share one file without tearing lines.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import os
 import queue
 import threading
 import time
+
+from minfer.observability.events import EventSpec
 
 # How often the writer thread drains the queue. Waking per event would make the writer compete
 # with the scheduler thread for the GIL on every emit; a batch every 50 ms costs one wake-up.
@@ -45,9 +48,13 @@ class RequestTracer:
         self._thread.start()
         atexit.register(self.close)
 
-    def emit(self, event: str, uid: int, **fields) -> None:
-        """Queue one event; callers check `enabled` first so that untraced runs build nothing."""
-        self._queue.put((time.time(), uid, event, fields))
+    def emit(self, event: EventSpec, uid: int, **fields) -> None:
+        """Queue one event; callers check `enabled` first so that untraced runs build nothing.
+
+        `event` is a declared spec of minfer.observability.events, not a string: a misspelt name
+        fails here. Its fields are checked against the spec by `minfer trace check`, not here,
+        to keep an emit one queue put."""
+        self._queue.put((time.time(), uid, event.name, fields))
 
     def _write_loop(self) -> None:
         while not self._stop.wait(FLUSH_INTERVAL_S):

@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_harness import Server
 
 from minfer.cli import main
+from minfer.observability import events as schema
 from minfer.observability.metrics import ServerMetrics, StatsLogger, format_stats_line
 from minfer.observability.trace import read_trace
 from minfer.observability.trace_check import check_events, format_report
@@ -121,6 +122,9 @@ def test_served_trace_passes_check(server, capsys):
     assert len(report.requests) == 6
     names = {e["event"] for e in events}
     assert {"received", "tokenized", "detokenized", "queued", "kv_slots_allocated", "finished", "aborted"} <= names
+    # The front end's emitters write exactly the schema too (the scheduler's: test_trace_schema.py).
+    mismatched = [err for e in events for err in schema.schema_errors(e, exact=True)]
+    assert not mismatched, mismatched[:5]
     pids = {e["event"]: e["pid"] for e in events}
     assert len({pids["received"], pids["tokenized"], pids["queued"]}) == 3  # three processes, one file
     assert main(["trace", "check", str(trace)]) == 0
