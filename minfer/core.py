@@ -1,6 +1,6 @@
 """Plain data shared by every role: sampling parameters, requests, batches.
 
-The three numbers of a request's state (see DESIGN.md):
+The three numbers of a request's state (see docs/ARCHITECTURE.md):
   cached_len  positions [0, cached_len) have K/V stored in the pool
   device_len  positions [0, device_len) are known token ids on the device
   extend_len  = device_len - cached_len, what the next forward pass computes

@@ -1,6 +1,6 @@
 """KV bookkeeping for the scheduler: rows, slot allocation, prefix reuse and release.
 
-This is the "allocate" act of DESIGN.md: before a forward pass, positions
+This is the "allocate" act of docs/ARCHITECTURE.md: before a forward pass, positions
 [cached_len, cached_len + n) of a request get physical slots, recorded in the page table.
 The attention layers write K/V there during the pass; the backend reads through the table.
 """
@@ -153,7 +153,7 @@ class KVManager:
 
         In overlap mode the pool may hold K/V one step ahead of the tokens the CPU has seen
         (a pass still in flight); a finished request's last sampled token never keeps a slot,
-        so its final state is cached_len = prompt + output - 1 as DESIGN.md defines.
+        so its final state is cached_len = prompt + output - 1 as docs/ARCHITECTURE.md defines.
         What the prefix cache already owns (`shared_len`) is kept whatever the request's state:
         a request aborted while its prompt pass is in flight has handed the whole prompt to the
         cache, although its first token never reached the CPU.

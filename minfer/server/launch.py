@@ -1,6 +1,6 @@
 """`minfer serve`: start the workers, wait until they are ready, run the HTTP server, stop all.
 
-Processes (DESIGN.md): this one runs the api server; the tokenizer, scheduler (which owns the
+Processes (docs/ARCHITECTURE.md): this one runs the api server; the tokenizer, scheduler (which owns the
 engine) and detokenizer workers are spawned children. Shutdown paths, all ending with the
 children stopped and the socket directory removed:
   - SIGINT / SIGTERM: uvicorn stops accepting, open requests get --shutdown-timeout seconds to

@@ -1,4 +1,4 @@
-"""Request state follows DESIGN.md exactly: 0/3/3 -> 3/4/1 -> 4/5/1, and every slot comes back."""
+"""Request state follows docs/ARCHITECTURE.md exactly: 0/3/3 -> 3/4/1 -> 4/5/1, and every slot comes back."""
 
 from __future__ import annotations
 
