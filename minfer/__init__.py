@@ -2,7 +2,7 @@
 
 from minfer.core import RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 

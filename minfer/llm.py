@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 from minfer.config import EngineConfig, config_from_kwargs
 from minfer.core import FinishReason, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
+from minfer.engine.engine import Engine
 from minfer.runner.ranks import run_worker_node
 from minfer.runner.runner import Runner
-from minfer.engine.engine import Engine
 from minfer.tokenizer.detokenizer import IncrementalDetokenizer
 from minfer.tokenizer.intake import PromptEncoder
 

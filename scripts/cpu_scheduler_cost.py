@@ -3,11 +3,17 @@ allocate slots, build sampling tensors, advance the lengths. Run from the repo r
 
     PYTHONPATH=$PWD:$PWD/tests python scripts/cpu_scheduler_cost.py
 """
-import time, tempfile, cProfile, pstats
+import cProfile
+import pstats
+import tempfile
+import time
+
 from tiny_models import save_tiny_model
+
 from minfer import LLM
 from minfer.bench.offline import make_workload
 from minfer.engine.sampler import SamplingTensors
+
 d = tempfile.mkdtemp(); save_tiny_model("qwen3", d, vocab_size=10001, max_position_embeddings=4096)
 llm = LLM(d, kv_cache_tokens=600000, log_level="warning")
 s = llm.scheduler

@@ -36,15 +36,15 @@ if importlib.util.find_spec("msgspec") is None:
     package.__path__ = [os.path.join(ROOT, "minfer")]
     sys.modules["minfer"] = package
 
-from kernel_cases import make_paged_batch  # noqa: E402
+from kernel_cases import make_paged_batch
 
-from minfer.kernels import attention_decode, attention_extend, gemm  # noqa: E402
-from minfer.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
-from minfer.kernels.attention_decode import decode_attention, decode_attention_reference  # noqa: E402
-from minfer.kernels.attention_extend import extend_attention, extend_attention_reference  # noqa: E402
-from minfer.kernels.norm import rmsnorm, rmsnorm_reference  # noqa: E402
-from minfer.kernels.rope_store import rope_store  # noqa: E402
-from minfer.layers.rotary import RotaryEmbedding  # noqa: E402
+from minfer.kernels import attention_decode, attention_extend, gemm
+from minfer.kernels.activation import silu_and_mul, silu_and_mul_reference
+from minfer.kernels.attention_decode import decode_attention, decode_attention_reference
+from minfer.kernels.attention_extend import extend_attention, extend_attention_reference
+from minfer.kernels.norm import rmsnorm, rmsnorm_reference
+from minfer.kernels.rope_store import rope_store
+from minfer.layers.rotary import RotaryEmbedding
 
 COPY_CEILING_BYTES_PER_S = 4.26e12  # H200 device-to-device copy, measured (shared/gpu/README.md)
 DTYPE = torch.bfloat16

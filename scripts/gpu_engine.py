@@ -18,9 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def parity(rows: list[str]) -> None:
     import torch
+    from tiny_models import ARCHS, save_tiny_model
 
     from minfer import LLM, SamplingParams
-    from tiny_models import ARCHS, save_tiny_model
 
     prompts = [[(i * 7 + j * 13) % 250 for j in range(n)] for i, n in enumerate([5, 70, 17, 1, 33, 300, 2, 129])]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

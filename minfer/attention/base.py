@@ -43,7 +43,7 @@ class AttentionMetadata:
 class ForwardContext:
     attn: AttentionMetadata
     kv_pool: KVPool
-    backend: "AttentionBackend"
+    backend: AttentionBackend
     out_loc: torch.Tensor  # [num_tokens] slots for this pass's K/V
 
 

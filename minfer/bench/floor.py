@@ -16,7 +16,7 @@ class Card:
     bandwidth: float  # bytes/s, measured device-to-device copy (read + write)
     matmul_rate: float  # FLOP/s, measured bf16 GEMM
 
-    def times(self, n: int) -> "Card":
+    def times(self, n: int) -> Card:
         """n cards working together (tensor parallelism): bandwidth and FLOP rate add up."""
         return self if n == 1 else Card(f"{n}x {self.name}", self.bandwidth * n, self.matmul_rate * n)
 

@@ -36,7 +36,7 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int], vocab_size: int,
-              device: torch.device) -> "SamplingTensors":
+              device: torch.device) -> SamplingTensors:
         temps = [0.0 if p.greedy else p.temperature for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         floats = to_device([temps, [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)

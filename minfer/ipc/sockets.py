@@ -60,3 +60,12 @@ def recv_ready(sock: zmq.Socket, inbox: str, timeout_ms: int = 0) -> list[Messag
             msgs.append(decode(sock.recv(zmq.NOBLOCK), inbox))
         except zmq.Again:
             return msgs
+
+
+def fail_start(sock: zmq.Socket, role: str, error: Exception) -> None:
+    """A worker could not start: tell the api server why (through `sock`), then exit with 1."""
+    from minfer.ipc.messages import WorkerFailed
+
+    send(sock, WorkerFailed(role=role, message=f"{type(error).__name__}: {error}"))
+    sock.close(linger=2000)  # deliver the failure before exiting
+    raise SystemExit(1) from None

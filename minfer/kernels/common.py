@@ -16,7 +16,7 @@ import triton.language as tl
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device, which launch heuristics size grids by; off
     CUDA (the interpreter) a small stand-in, so the tests exercise split launches."""

@@ -91,7 +91,7 @@ def _gemm_kernel(
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
 

@@ -16,7 +16,7 @@ from minfer.kvcache.prefix_cache import CacheCounters, KVInvariantError, PrefixM
 
 
 class _Node:
-    __slots__ = ("parent", "children", "token_ids", "slots", "lock_count", "last_access")
+    __slots__ = ("children", "last_access", "lock_count", "parent", "slots", "token_ids")
 
     def __init__(self, parent: _Node | None, token_ids: list[int], slots: list[int], last_access: int):
         self.parent = parent

@@ -9,7 +9,7 @@ Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up a
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn

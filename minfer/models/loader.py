@@ -14,9 +14,9 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -150,7 +150,7 @@ def safetensors_weights(path: str, sliced: bool = False) -> Iterator[tuple[str, 
     bar = tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2) if tqdm else files
     for file in bar:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 lazy = f.get_slice(name) if sliced else None
                 yield name, (CheckpointSlice(lazy) if lazy is not None and len(lazy.get_shape()) >= 2
                              else f.get_tensor(name))

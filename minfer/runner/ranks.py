@@ -57,9 +57,9 @@ def follower_main(config: EngineConfig, rank: int) -> None:
     """Join the TP group as `rank`, load this rank's shard, follow rank 0 until it stops."""
     from minfer.distributed.faults import fault_point
     from minfer.distributed.parallel import create_store, join_tp_group
-    from minfer.runner.step_sync import follow
     from minfer.engine.engine import Engine, freeze_long_lived_objects
     from minfer.observability.trace import NULL_TRACER
+    from minfer.runner.step_sync import follow
     from minfer.scheduler.scheduler import Scheduler
 
     tp = join_tp_group(config, rank, create_store(config, rank), device_type_of(config))

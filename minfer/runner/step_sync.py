@@ -30,8 +30,8 @@ from minfer.distributed.faults import fault_point
 from minfer.distributed.parallel import TensorParallelError, TPGroup, leave_tp_group
 
 if TYPE_CHECKING:
-    from minfer.runner.ranks import LocalRanks
     from minfer.engine.engine import Engine
+    from minfer.runner.ranks import LocalRanks
     from minfer.scheduler.scheduler import Scheduler, StepOutput
 
 log = logging.getLogger(__name__)

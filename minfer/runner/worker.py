@@ -21,7 +21,7 @@ from minfer.config import EngineConfig
 from minfer.core import InvalidRequestError
 from minfer.ipc import messages as m
 from minfer.ipc.process import parent_alive, setup_worker_process
-from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
+from minfer.ipc.sockets import Endpoints, fail_start, inbox, outbox, recv_ready, send
 from minfer.observability.metrics import RequestTimer, StatsLogger, scheduler_stats
 
 if TYPE_CHECKING:  # the api server imports this module to spawn it; torch loads in the child only
@@ -126,9 +126,7 @@ def run_scheduler_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
         freeze_long_lived_objects()
     except Exception as e:
         log.exception("the engine failed to start")
-        send(to_detokenizer, m.WorkerFailed(role="scheduler", message=f"{type(e).__name__}: {e}"))
-        to_detokenizer.close(linger=2000)  # deliver the failure before exiting
-        raise SystemExit(1)
+        fail_start(to_detokenizer, "scheduler", e)
     loop = SchedulerLoop(runner, lambda msg: send(to_detokenizer, msg))
     send(to_detokenizer, m.WorkerReady(role="scheduler", pid=os.getpid(), info=loop.startup_info()))
     try:

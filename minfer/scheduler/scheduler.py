@@ -26,7 +26,7 @@ from minfer.scheduler.prefill import PrefillPlanner
 from minfer.scheduler.queues import RequestQueues
 from minfer.scheduler.results import StepOutput, read_results
 
-__all__ = ["Scheduler", "SchedulerCounters", "StepOutput", "Phase"]
+__all__ = ["Phase", "Scheduler", "SchedulerCounters", "StepOutput"]
 
 
 @dataclass

@@ -25,12 +25,12 @@ import time
 import zmq
 
 from minfer.config import EngineConfig, ServerConfig
-from minfer.runner.ranks import free_local_addr, run_follower_rank, run_worker_node
 from minfer.ipc import messages as m
 from minfer.ipc.ipc_dir import IpcDir
 from minfer.ipc.process import dead_workers
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
 from minfer.observability.trace import NULL_TRACER, RequestTracer
+from minfer.runner.ranks import free_local_addr, run_follower_rank, run_worker_node
 from minfer.runner.worker import run_scheduler_worker
 from minfer.server.client import EngineClient
 from minfer.tokenizer.detokenizer_worker import run_detokenizer_worker

@@ -22,7 +22,7 @@ from minfer.config import EngineConfig
 from minfer.core import TokenLogprobs
 from minfer.ipc import messages as m
 from minfer.ipc.process import parent_alive, setup_worker_process
-from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
+from minfer.ipc.sockets import Endpoints, fail_start, inbox, outbox, recv_ready, send
 from minfer.observability.events import DETOKENIZED
 from minfer.observability.trace import NULL_TRACER, RequestTracer
 from minfer.tokenizer.detokenizer import IncrementalDetokenizer
@@ -140,9 +140,7 @@ def run_detokenizer_worker(config: EngineConfig, endpoints: Endpoints, parent_pi
         tokenizer = load_model_tokenizer(config)
     except Exception as e:
         log.exception("detokenizer failed to load the tokenizer")
-        send(to_api, m.WorkerFailed(role="detokenizer", message=f"{type(e).__name__}: {e}"))
-        to_api.close(linger=2000)  # deliver the failure before exiting
-        raise SystemExit(1)
+        fail_start(to_api, "detokenizer", e)
     tracer = RequestTracer(config.trace_requests) if config.trace_requests else NULL_TRACER
     worker = DetokenizerWorker(tokenizer, lambda msg: send(to_scheduler, msg), lambda msg: send(to_api, msg), tracer)
     send(to_api, m.WorkerReady(role="detokenizer", pid=os.getpid(), info={}))

@@ -19,7 +19,7 @@ from minfer.config import EngineConfig
 from minfer.core import InvalidRequestError
 from minfer.ipc import messages as m
 from minfer.ipc.process import parent_alive, setup_worker_process
-from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
+from minfer.ipc.sockets import Endpoints, fail_start, inbox, outbox, recv_ready, send
 from minfer.observability.events import TOKENIZED
 from minfer.observability.trace import NULL_TRACER, RequestTracer
 from minfer.tokenizer.intake import PromptEncoder, encode_text, load_model_tokenizer, render_chat
@@ -132,9 +132,7 @@ def run_tokenizer_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
         tokenizer = load_model_tokenizer(config)
     except Exception as e:
         log.exception("tokenizer failed to load")
-        send(to_api, m.WorkerFailed(role="tokenizer", message=f"{type(e).__name__}: {e}"))
-        to_api.close(linger=2000)  # deliver the failure before exiting
-        raise SystemExit(1)
+        fail_start(to_api, "tokenizer", e)
     tracer = RequestTracer(config.trace_requests) if config.trace_requests else NULL_TRACER
     worker = TokenizerWorker(tokenizer, lambda msg: send(to_scheduler, msg), lambda msg: send(to_api, msg), tracer)
     send(to_api, m.WorkerReady(role="tokenizer", pid=os.getpid(), info=tokenizer_info(tokenizer)))

@@ -25,9 +25,9 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE.parent))
 
-from server_harness import free_port  # noqa: E402
+from server_harness import free_port
 
-from minfer.bench.serve_client import Shard, run_shard  # noqa: E402
+from minfer.bench.serve_client import Shard, run_shard
 
 
 def start_fake_server(interval: float, core: int | None) -> tuple[subprocess.Popen, str]:

@@ -18,7 +18,7 @@ from minfer.bench.serve_metrics import RequestRecord, distribution_ms, meets_slo
 from minfer.bench.workloads import WorkloadError, load_jsonl, random_draw
 
 sys.path.insert(0, os.path.dirname(__file__))
-from measure_client_rate import start_fake_server  # noqa: E402
+from measure_client_rate import start_fake_server
 
 METRIC_LINES = ("Successful requests:", "Failed requests:", "Benchmark duration (s):", "Total input tokens:",
                 "Total output tokens:", "Request throughput (req/s):", "Output token throughput (tok/s):",

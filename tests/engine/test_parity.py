@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from tiny_models import hf_greedy
+
 from minfer import LLM, SamplingParams
 
 

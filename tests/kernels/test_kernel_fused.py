@@ -15,10 +15,10 @@ from kernel_cases import tolerance
 from minfer.kernels.activation import silu_and_mul, silu_and_mul_reference
 from minfer.kernels.norm import rmsnorm, rmsnorm_reference
 from minfer.kernels.rope_store import rope_store
+from minfer.kvcache.pool import KVPool
 from minfer.layers.activation import silu_and_mul as layer_silu_and_mul
 from minfer.layers.norm import RMSNorm
 from minfer.layers.rotary import RotaryEmbedding
-from minfer.kvcache.pool import KVPool
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -170,4 +170,4 @@ def test_stats_line(tiny_llama, caplog):
     idle = {"prefill_steps": 1, "decode_steps": 0, "prefill_tokens_computed": 4, "decode_batch_total": 0,
             "prefix_queried_tokens": 0, "prefix_hit_tokens": 0, "kv_used_pages": 1, "kv_total_pages": 4,
             "generation_tokens": 1, "preemptions": 0, "running": 1, "prefilling": 0, "waiting": 0}
-    assert "prefix hit -" in format_stats_line(idle, {k: 0 for k in idle}, 1.0)
+    assert "prefix hit -" in format_stats_line(idle, dict.fromkeys(idle, 0), 1.0)

@@ -26,7 +26,7 @@ def model_path(tmp_path_factory):
     return str(path)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def solo_output(model_path: str, page_size: int, prompt_idx: int) -> tuple[int, ...]:
     llm = LLM(model_path, kv_cache_tokens=1024, page_size=page_size, cache="naive",
               disable_overlap_schedule=True, log_level="warning")

@@ -37,7 +37,7 @@ def test_chat_answers_paris(server):
 
 def test_shell_answers_paris():
     lines = "/temp 0\nWhat is the capital of France?\n/reset\n/exit\n"
-    proc = subprocess.run([sys.executable, "-m", "minfer", "shell", "--max-model-len", "1024", 
+    proc = subprocess.run([sys.executable, "-m", "minfer", "shell", "--max-model-len", "1024",
                            "--kv-cache-tokens", "4096", "--log-level", "warning"], input=lines, text=True,
                           capture_output=True, cwd=REPO, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
     assert proc.returncode == 0, proc.stderr

@@ -23,7 +23,7 @@ WARMUP_REQUESTS = 60
 # Resident memory of the server and its workers may grow (allocator arenas, caches) but not
 # with the number of requests served: 600 requests may add at most this much.
 RSS_GROWTH_BOUND_MB = 150
-WORDS = "cats dogs rain trains tea stars bread rivers clocks snow maps ants".split()
+WORDS = ["cats", "dogs", "rain", "trains", "tea", "stars", "bread", "rivers", "clocks", "snow", "maps", "ants"]
 
 
 @pytest.fixture(scope="module")
