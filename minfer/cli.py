@@ -11,7 +11,9 @@ from minfer.config import EngineConfig, ServerConfig, add_config_args, config_fr
 
 def _engine_parser(sub, name: str, help: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("model", nargs="?", default=None, help="model path or shipped shape name (default: SmolLM2)")
+    p.add_argument(
+        "model", nargs="?", default=None, help="model path or shipped shape name (default: SmolLM2)"
+    )
     add_config_args(p, EngineConfig, skip=("model",))
     return p
 
@@ -24,8 +26,11 @@ def _engine_config(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> Eng
 def _bench_serve_parser(bench_sub) -> argparse.ArgumentParser:
     from minfer.bench.serve import add_serve_args
 
-    p = bench_sub.add_parser("serve", help="online benchmark of a running server (Poisson arrivals, streaming)",
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = bench_sub.add_parser(
+        "serve",
+        help="online benchmark of a running server (Poisson arrivals, streaming)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_serve_args(p)
 
     def one_line_error(message: str):  # a bad flag is one line, not the whole usage text
@@ -60,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     from minfer.bench.offline import add_workload_args
 
     add_workload_args(offline)
-    shared = _engine_parser(bench_sub, "shared-prefix", "prefix-cache workload: one system prompt, many questions")
+    shared = _engine_parser(
+        bench_sub, "shared-prefix", "prefix-cache workload: one system prompt, many questions"
+    )
     from minfer.bench import shared_prefix
 
     shared_prefix.add_workload_args(shared)
@@ -79,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         from minfer.server.launch import serve
 
         server_names = tuple(f.name for f in dataclasses.fields(ServerConfig))
-        server_cfg = config_from_kwargs(ServerConfig, {k: v for k, v in vars(args).items() if k in server_names})
+        server_cfg = config_from_kwargs(
+            ServerConfig, {k: v for k, v in vars(args).items() if k in server_names}
+        )
         return serve(_engine_config(args, server_names), server_cfg)
     if args.command == "shell":
         from minfer.server.shell import run_shell
@@ -110,8 +119,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     extra = ("prompt", "chat", "max_tokens", "temperature", "top_p", "top_k", "min_p", "sampling_seed")
     llm = LLM(**vars(_engine_config(args, extra)))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+    )
     try:
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]

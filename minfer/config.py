@@ -36,50 +36,72 @@ class EngineConfig:
     """Options of the engine: model loading, KV cache, scheduling, kernels."""
 
     model: str | None = _opt(
-        None, "HF directory, .gguf file, or a shipped shape name (qwen3-0.6b, llama-3.1-8b); "
-        "default: the embedded SmolLM2-135M-Instruct")
+        None,
+        "HF directory, .gguf file, or a shipped shape name (qwen3-0.6b, llama-3.1-8b); "
+        "default: the embedded SmolLM2-135M-Instruct",
+    )
     load_format: str = _opt("auto", "how to read the weights", ("auto", "safetensors", "gguf", "dummy"))
-    dtype: str = _opt("auto", "compute dtype; auto = the checkpoint's dtype on CUDA, float32 on CPU",
-                      ("auto", "float32", "bfloat16", "float16"))
+    dtype: str = _opt(
+        "auto",
+        "compute dtype; auto = the checkpoint's dtype on CUDA, float32 on CPU",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
     device: str = _opt("auto", "auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
     max_model_len: int | None = _opt(None, "context length limit (default: the model's)")
     page_size: int = _opt(1, "KV cache page size in tokens")
     kv_cache_tokens: int | None = _opt(
-        None, "KV pool size in tokens; overrides the measured size on CUDA (CPU default: 16384)")
+        None, "KV pool size in tokens; overrides the measured size on CUDA (CPU default: 16384)"
+    )
     mem_fraction: float = _opt(0.90, "fraction of total device memory minfer may use (CUDA)")
     max_running_requests: int | None = _opt(
-        None, f"cap on concurrently running requests (default: {DEFAULT_MAX_RUNNING_REQUESTS}, on CPU "
-        f"{CPU_DEFAULT_MAX_RUNNING_REQUESTS}: where the CPU's throughput stops growing, docs/BENCHMARKS.md)")
+        None,
+        f"cap on concurrently running requests (default: {DEFAULT_MAX_RUNNING_REQUESTS}, on CPU "
+        f"{CPU_DEFAULT_MAX_RUNNING_REQUESTS}: where the CPU's throughput stops growing, docs/BENCHMARKS.md)",
+    )
     max_queued_requests: int = _opt(
-        1024, "serving: requests that may wait beyond max-running-requests; more are refused at once with 503 and "
-        "Retry-After (0: none may wait; a large number: no practical limit)")
+        1024,
+        "serving: requests that may wait beyond max-running-requests; more are refused at once with 503 and "
+        "Retry-After (0: none may wait; a large number: no practical limit)",
+    )
     chunked_prefill_size: int = _opt(8192, "token budget of one prefill step; longer prompts span steps")
     attention_backend: str = _opt("auto", "auto = triton on CUDA, torch on CPU", ("auto", "torch", "triton"))
-    cache: str = _opt("radix", "prefix cache: radix shares prompt prefixes, naive shares nothing",
-                      ("radix", "naive"))
-    schedule_policy: str = _opt("fcfs", "order of admission: first come first served, or longest prefix "
-                                "match first", ("fcfs", "lpm"))
+    cache: str = _opt(
+        "radix", "prefix cache: radix shares prompt prefixes, naive shares nothing", ("radix", "naive")
+    )
+    schedule_policy: str = _opt(
+        "fcfs", "order of admission: first come first served, or longest prefix match first", ("fcfs", "lpm")
+    )
     tp: int = _opt(1, "tensor-parallel degree (one process per rank)")
     nnodes: int = _opt(1, "number of nodes the tensor-parallel ranks span (tp/nnodes ranks per node)")
     node_rank: int = _opt(0, "this node's index in [0, nnodes); node 0 runs rank 0, which serves requests")
     dist_init_addr: str | None = _opt(
-        None, "HOST:PORT where rank 0 meets the other ranks (required with nnodes > 1; default: a free "
-        "local port)")
+        None,
+        "HOST:PORT where rank 0 meets the other ranks (required with nnodes > 1; default: a free local port)",
+    )
     cuda_graph_max_bs: int = _opt(256, "largest decode batch captured in a CUDA graph; 0 disables graphs")
-    disable_overlap_schedule: bool = _opt(False, "run the CPU scheduling and the GPU step one after the other")
+    disable_overlap_schedule: bool = _opt(
+        False, "run the CPU scheduling and the GPU step one after the other"
+    )
     check_kv_invariants: bool = _opt(
-        False, "after every scheduler step, check that every KV page is owned exactly once (free, prefix "
+        False,
+        "after every scheduler step, check that every KV page is owned exactly once (free, prefix "
         "cache, or one request) and stop loudly if not; slow, for debugging (env MINFER_CHECK_KV_INVARIANTS=1 "
-        "turns it on too; the tests do)")
+        "turns it on too; the tests do)",
+    )
     seed: int = _opt(0, "seed for requests that do not bring their own")
     trace_requests: str | None = _opt(None, "write a JSONL trace of every request's events to this file")
     log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
-    log_stats_interval: float = _opt(10.0, "seconds between the scheduler's stats lines when serving (0: never)")
+    log_stats_interval: float = _opt(
+        10.0, "seconds between the scheduler's stats lines when serving (0: never)"
+    )
     max_unread_replies: int = _opt(
-        4096, "serving: replies (about one per token) a request may hold that its client has not read; past "
-        "it the request is aborted with an error event, so a stalled reader cannot grow memory without bound")
+        4096,
+        "serving: replies (about one per token) a request may hold that its client has not read; past "
+        "it the request is aborted with an error event, so a stalled reader cannot grow memory without bound",
+    )
     shutdown_timeout: float = _opt(
-        5.0, "serving: seconds SIGTERM / Ctrl-C lets open requests finish before ending them with an error")
+        5.0, "serving: seconds SIGTERM / Ctrl-C lets open requests finish before ending them with an error"
+    )
 
 
 @dataclass
@@ -90,15 +112,22 @@ class ServerConfig:
     port: int = _opt(8000, "port to listen on")
     served_model_name: str | None = _opt(None, "model name reported by /v1/models (default: the model path)")
     api_key: str | None = _opt(
-        None, "require `Authorization: Bearer KEY` on every endpoint but /health and /metrics (default: the "
-        "MINFER_API_KEY environment variable; unset: no key)")
+        None,
+        "require `Authorization: Bearer KEY` on every endpoint but /health and /metrics (default: the "
+        "MINFER_API_KEY environment variable; unset: no key)",
+    )
     metrics_require_key: bool = _opt(False, "with an API key, require it on /metrics too")
-    max_request_bytes: int = _opt(4 * 2**20, "largest request body in bytes; a larger one is refused with 413 "
-                                  "while it is read")
-    max_batch_prompts: int = _opt(128, "most engine requests one body may make (prompts in a list, times n); "
-                                  "past it: 400")
-    request_read_timeout: float = _opt(30.0, "seconds a client has to send a request's headers and body; a "
-                                       "connection still sending after that is closed")
+    max_request_bytes: int = _opt(
+        4 * 2**20, "largest request body in bytes; a larger one is refused with 413 while it is read"
+    )
+    max_batch_prompts: int = _opt(
+        128, "most engine requests one body may make (prompts in a list, times n); past it: 400"
+    )
+    request_read_timeout: float = _opt(
+        30.0,
+        "seconds a client has to send a request's headers and body; a "
+        "connection still sending after that is closed",
+    )
 
 
 def _base_type(tp) -> type:

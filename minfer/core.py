@@ -94,11 +94,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
         if not 0 < self.repetition_penalty <= 100:
             raise InvalidRequestError(
-                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}", "repetition_penalty")
+                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}", "repetition_penalty"
+            )
         for token, bias in self.logit_bias.items():
             if not -100 <= bias <= 100:
-                raise InvalidRequestError(f"logit_bias of token {token} must be in [-100, 100], got {bias}",
-                                          "logit_bias")
+                raise InvalidRequestError(
+                    f"logit_bias of token {token} must be in [-100, 100], got {bias}", "logit_bias"
+                )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -122,7 +124,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}", "min_tokens")
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+                "min_tokens",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -194,7 +198,7 @@ class Req:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
+        return self.token_ids[self.prompt_len :]
 
     @property
     def finished(self) -> bool:

@@ -56,29 +56,43 @@ class LLM:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
     # -- generation ----------------------------------------------------------------------------
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = [self.encode(p) for p in prompts]
         return self.generate_ids(ids, sampling_params, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate_ids([self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
+        return self.generate_ids(
+            [self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm
+        )
 
-    def generate_ids(self, prompts: list[list[int]],
-                     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                     use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate_ids(
+        self,
+        prompts: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
         runner = self.runner
@@ -96,8 +110,11 @@ class LLM:
         prompt_logprobs = {}
         # Stop strings are found in the text, as the server's tokenizer worker does: the request
         # ends (its KV freed at once) with the token that completes one, and the text stops before it.
-        stop_texts = {r.uid: IncrementalDetokenizer(self.tokenizer, r.params.stop)
-                      for r in reqs if r.params.stop and self.tokenizer is not None}
+        stop_texts = {
+            r.uid: IncrementalDetokenizer(self.tokenizer, r.params.stop)
+            for r in reqs
+            if r.params.stop and self.tokenizer is not None
+        }
         while pending:
             for out in runner.step():
                 detok = stop_texts.get(out.uid)
@@ -107,7 +124,9 @@ class LLM:
                         runner.abort(out.uid)
                         out.finish_reason = FinishReason.STOP
                     if out.finish_reason:
-                        by_uid[out.uid].finish_reason = FinishReason.STOP if detok.matched_stop else out.finish_reason
+                        by_uid[out.uid].finish_reason = (
+                            FinishReason.STOP if detok.matched_stop else out.finish_reason
+                        )
                 if out.logprobs is not None and out.uid in logprobs:
                     logprobs[out.uid].extend(out.logprobs)
                 if out.prompt_logprobs is not None:
@@ -118,6 +137,15 @@ class LLM:
                         bar.update(1)
         if bar:
             bar.close()
-        return [RequestOutput(r.uid, r.token_ids[:r.prompt_len], r.output_ids,
-                              stop_texts[r.uid].text if r.uid in stop_texts else self.decode(r.output_ids),
-                              r.finish_reason, logprobs.get(r.uid), prompt_logprobs.get(r.uid)) for r in reqs]
+        return [
+            RequestOutput(
+                r.uid,
+                r.token_ids[: r.prompt_len],
+                r.output_ids,
+                stop_texts[r.uid].text if r.uid in stop_texts else self.decode(r.output_ids),
+                r.finish_reason,
+                logprobs.get(r.uid),
+                prompt_logprobs.get(r.uid),
+            )
+            for r in reqs
+        ]

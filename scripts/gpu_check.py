@@ -88,46 +88,101 @@ def record(kernel: str, model: str, shape: str, fn, nbytes: float, err: float, e
     extra = extra(us) if callable(extra) else extra
     replay_us = graph_us(fn)
     gbs = nbytes / (us * 1e-6) / 1e9
-    row = dict(kernel=kernel, model=model, shape=shape, us=us, graph_us=replay_us, gbs=gbs,
-               pct=100 * gbs * 1e9 / COPY_CEILING_BYTES_PER_S, mb=nbytes / 1e6, err=err, extra=extra)
+    row = dict(
+        kernel=kernel,
+        model=model,
+        shape=shape,
+        us=us,
+        graph_us=replay_us,
+        gbs=gbs,
+        pct=100 * gbs * 1e9 / COPY_CEILING_BYTES_PER_S,
+        mb=nbytes / 1e6,
+        err=err,
+        extra=extra,
+    )
     rows.append(row)
-    print(f"  {kernel:14s} {model:11s} {shape:34s} {us:9.1f} us (graph {replay_us:8.1f} us) {gbs:8.0f} GB/s "
-          f"{row['pct']:5.1f}%  err {err:.2e} {extra}", flush=True)
+    print(
+        f"  {kernel:14s} {model:11s} {shape:34s} {us:9.1f} us (graph {replay_us:8.1f} us) {gbs:8.0f} GB/s "
+        f"{row['pct']:5.1f}%  err {err:.2e} {extra}",
+        flush=True,
+    )
 
 
 def decode_case(model: str, batch_size: int, seq_lens: list[int], label: str) -> None:
     num_heads, num_kv_heads, head_dim = MODELS[model][:3]
     gen = torch.Generator().manual_seed(batch_size)
-    batch = make_paged_batch([s - 1 for s in seq_lens], [1] * batch_size, num_kv_heads, head_dim, PAGE_SIZE,
-                             DTYPE, DEVICE, gen, table_width=TABLE_WIDTH)
+    batch = make_paged_batch(
+        [s - 1 for s in seq_lens],
+        [1] * batch_size,
+        num_kv_heads,
+        head_dim,
+        PAGE_SIZE,
+        DTYPE,
+        DEVICE,
+        gen,
+        table_width=TABLE_WIDTH,
+    )
     q = torch.randn((batch_size, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
-    args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens,
-            head_dim ** -0.5)
-    err = check(f"decode {model} {label}", decode_attention(*args), decode_attention_reference(*args),
-                1e-2, 1e-2)
+    args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens, head_dim**-0.5)
+    err = check(
+        f"decode {model} {label}", decode_attention(*args), decode_attention_reference(*args), 1e-2, 1e-2
+    )
     kv_bytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * DTYPE.itemsize
     qo_bytes = 2 * q.numel() * DTYPE.itemsize
     splits = attention_decode.choose_num_splits(batch_size, num_kv_heads, TABLE_WIDTH, DEVICE)
-    record("decode_attn", model, f"B={batch_size} {label}", lambda: decode_attention(*args),
-           kv_bytes + qo_bytes, err, f"splits={splits}")
+    record(
+        "decode_attn",
+        model,
+        f"B={batch_size} {label}",
+        lambda: decode_attention(*args),
+        kv_bytes + qo_bytes,
+        err,
+        f"splits={splits}",
+    )
     del batch
 
 
 def extend_case(model: str, prefix_lens: list[int], extend_lens: list[int], label: str) -> None:
     num_heads, num_kv_heads, head_dim = MODELS[model][:3]
     gen = torch.Generator().manual_seed(len(prefix_lens))
-    batch = make_paged_batch(prefix_lens, extend_lens, num_kv_heads, head_dim, PAGE_SIZE, DTYPE, DEVICE, gen,
-                             table_width=TABLE_WIDTH)
+    batch = make_paged_batch(
+        prefix_lens,
+        extend_lens,
+        num_kv_heads,
+        head_dim,
+        PAGE_SIZE,
+        DTYPE,
+        DEVICE,
+        gen,
+        table_width=TABLE_WIDTH,
+    )
     q = torch.randn((sum(extend_lens), num_heads, head_dim), device=DEVICE, dtype=DTYPE)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
 
     def run():
-        return extend_attention(q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx,
-                                batch.prefix_lens, batch.seq_lens, batch.cu_extend_lens, max(extend_lens),
-                                scale)
+        return extend_attention(
+            q,
+            batch.k_pool,
+            batch.v_pool,
+            batch.page_table,
+            batch.table_idx,
+            batch.prefix_lens,
+            batch.seq_lens,
+            batch.cu_extend_lens,
+            max(extend_lens),
+            scale,
+        )
 
-    expected = extend_attention_reference(q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx,
-                                          batch.prefix_lens, batch.seq_lens, scale)
+    expected = extend_attention_reference(
+        q,
+        batch.k_pool,
+        batch.v_pool,
+        batch.page_table,
+        batch.table_idx,
+        batch.prefix_lens,
+        batch.seq_lens,
+        scale,
+    )
     err = check(f"extend {model} {label}", run(), expected, 1e-2, 1e-2)
     del expected
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -136,8 +191,15 @@ def extend_case(model: str, prefix_lens: list[int], extend_lens: list[int], labe
     # causal: query j of a request sees prefix + j + 1 keys; 2 matmuls of 2 flops per multiply-add
     pairs = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens))
     flop = 4 * pairs * num_heads * head_dim
-    record("extend_attn", model, label, run, kv_bytes + qo_bytes, err,
-           lambda us: f"{flop / us / 1e6:.0f} TFLOP/s")
+    record(
+        "extend_attn",
+        model,
+        label,
+        run,
+        kv_bytes + qo_bytes,
+        err,
+        lambda us: f"{flop / us / 1e6:.0f} TFLOP/s",
+    )
 
 
 def fused_cases(model: str, tokens: int) -> None:
@@ -148,18 +210,35 @@ def fused_cases(model: str, tokens: int) -> None:
     weight = torch.randn((hidden,), device=DEVICE, dtype=DTYPE)
     out, new_res = rmsnorm(x, weight, 1e-6, residual)
     ref_out, ref_res = rmsnorm_reference(x, weight, 1e-6, residual)
-    err = max(check(f"rmsnorm {model} T={tokens}", out, ref_out, 2e-2, 2e-2),
-              check(f"rmsnorm residual {model} T={tokens}", new_res, ref_res, 0, 0))
+    err = max(
+        check(f"rmsnorm {model} T={tokens}", out, ref_out, 2e-2, 2e-2),
+        check(f"rmsnorm residual {model} T={tokens}", new_res, ref_res, 0, 0),
+    )
     torch_us = bench_us(lambda: rmsnorm_reference(x, weight, 1e-6, residual))
-    record("rmsnorm+add", model, f"T={tokens} H={hidden}", lambda: rmsnorm(x, weight, 1e-6, residual),
-           4 * x.numel() * item, err, f"torch {torch_us:.1f} us")
+    record(
+        "rmsnorm+add",
+        model,
+        f"T={tokens} H={hidden}",
+        lambda: rmsnorm(x, weight, 1e-6, residual),
+        4 * x.numel() * item,
+        err,
+        f"torch {torch_us:.1f} us",
+    )
 
     gate_up = torch.randn((tokens, 2 * inter), device=DEVICE, dtype=DTYPE)
-    err = check(f"silu_and_mul {model} T={tokens}", silu_and_mul(gate_up), silu_and_mul_reference(gate_up),
-                2e-2, 2e-2)
+    err = check(
+        f"silu_and_mul {model} T={tokens}", silu_and_mul(gate_up), silu_and_mul_reference(gate_up), 2e-2, 2e-2
+    )
     torch_us = bench_us(lambda: silu_and_mul_reference(gate_up))
-    record("silu_and_mul", model, f"T={tokens} I={inter}", lambda: silu_and_mul(gate_up),
-           1.5 * gate_up.numel() * item, err, f"torch {torch_us:.1f} us")
+    record(
+        "silu_and_mul",
+        model,
+        f"T={tokens} I={inter}",
+        lambda: silu_and_mul(gate_up),
+        1.5 * gate_up.numel() * item,
+        err,
+        f"torch {torch_us:.1f} us",
+    )
 
     qkv = torch.randn((tokens, (num_heads + 2 * num_kv_heads) * head_dim), device=DEVICE, dtype=DTYPE)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
@@ -175,7 +254,9 @@ def fused_cases(model: str, tokens: int) -> None:
     out_loc = torch.randperm(slots, device=DEVICE)[:tokens]
 
     def unfused():  # what the layers do without the kernel (torch ops; Triton RMSNorm on CUDA)
-        q_ref, k_ref = rotary(positions, rmsnorm_reference(q, q_weight, 1e-6), rmsnorm_reference(k, k_weight, 1e-6))
+        q_ref, k_ref = rotary(
+            positions, rmsnorm_reference(q, q_weight, 1e-6), rmsnorm_reference(k, k_weight, 1e-6)
+        )
         ref_k_pool, ref_v_pool = k_pool.clone(), v_pool.clone()
         ref_k_pool[out_loc], ref_v_pool[out_loc] = k_ref, v
         return q_ref, ref_k_pool, ref_v_pool
@@ -184,14 +265,26 @@ def fused_cases(model: str, tokens: int) -> None:
     q2 = q.clone()
     rope_store(q2, k, v, positions, rotary.cos_sin, k_pool, v_pool, out_loc, q_weight, k_weight, 1e-6)
     # one bf16 unit: see tests/kernels/test_kernel_fused.py for why the GPU may round differently
-    err = max(check(f"rope_store q {model} T={tokens}", q2, ref_q, 4e-2, 2 ** -7),
-              check(f"rope_store k {model} T={tokens}", k_pool, ref_k_pool, 4e-2, 2 ** -7),
-              check(f"rope_store v {model} T={tokens}", v_pool, ref_v_pool, 0, 0))
+    err = max(
+        check(f"rope_store q {model} T={tokens}", q2, ref_q, 4e-2, 2**-7),
+        check(f"rope_store k {model} T={tokens}", k_pool, ref_k_pool, 4e-2, 2**-7),
+        check(f"rope_store v {model} T={tokens}", v_pool, ref_v_pool, 0, 0),
+    )
     torch_us = bench_us(unfused)
-    nbytes = 2 * (q.numel() + 2 * k.numel()) * item + tokens * head_dim * 4  # q in+out, k and v in+out, cos/sin
-    record("rope_store", model, f"T={tokens} {num_heads}/{num_kv_heads}x{head_dim} +qk-norm",
-           lambda: rope_store(q2, k, v, positions, rotary.cos_sin, k_pool, v_pool, out_loc, q_weight, k_weight,
-                              1e-6), nbytes, err, f"torch {torch_us:.1f} us")
+    nbytes = (
+        2 * (q.numel() + 2 * k.numel()) * item + tokens * head_dim * 4
+    )  # q in+out, k and v in+out, cos/sin
+    record(
+        "rope_store",
+        model,
+        f"T={tokens} {num_heads}/{num_kv_heads}x{head_dim} +qk-norm",
+        lambda: rope_store(
+            q2, k, v, positions, rotary.cos_sin, k_pool, v_pool, out_loc, q_weight, k_weight, 1e-6
+        ),
+        nbytes,
+        err,
+        f"torch {torch_us:.1f} us",
+    )
 
 
 def sampling_case(batch: int, vocab: int = 151936) -> None:
@@ -208,19 +301,25 @@ def sampling_case(batch: int, vocab: int = 151936) -> None:
     mismatched = (got[greedy] != logits[greedy].argmax(-1)).sum().item()
     if mismatched:
         failures.append(f"gumbel_argmax B={batch}: {mismatched} greedy rows differ from argmax")
-    record("gumbel_argmax", "vocab 151936", f"B={batch} T=0.6 (1 in 4 rows greedy)",
-           lambda: gumbel_argmax(logits, temperature, seeds, positions), logits.numel() * 4, float(mismatched))
+    record(
+        "gumbel_argmax",
+        "vocab 151936",
+        f"B={batch} T=0.6 (1 in 4 rows greedy)",
+        lambda: gumbel_argmax(logits, temperature, seeds, positions),
+        logits.numel() * 4,
+        float(mismatched),
+    )
 
 
 def cuda_graph_case() -> None:
     """Capture a decode step once; replays must follow lengths and page table changed in place."""
     num_heads, num_kv_heads, head_dim = MODELS["llama-8b"][:3]
     gen = torch.Generator().manual_seed(7)
-    batch = make_paged_batch([2000] * 64, [1] * 64, num_kv_heads, head_dim, PAGE_SIZE, DTYPE, DEVICE, gen,
-                             table_width=TABLE_WIDTH)
+    batch = make_paged_batch(
+        [2000] * 64, [1] * 64, num_kv_heads, head_dim, PAGE_SIZE, DTYPE, DEVICE, gen, table_width=TABLE_WIDTH
+    )
     q = torch.randn((64, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
-    args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens,
-            head_dim ** -0.5)
+    args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens, head_dim**-0.5)
     decode_attention(*args)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -233,8 +332,14 @@ def cuda_graph_case() -> None:
         check(f"decode cuda-graph replay {trial}", out, decode_attention_reference(*args), 1e-2, 1e-2)
     seq_lens = batch.seq_lens.tolist()
     nbytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * DTYPE.itemsize + 2 * q.numel() * DTYPE.itemsize
-    record("decode_attn", "llama-8b", "B=64 ctx 1..2001 (graph-replay check)",
-           lambda: decode_attention(*args), nbytes, 0.0)
+    record(
+        "decode_attn",
+        "llama-8b",
+        "B=64 ctx 1..2001 (graph-replay check)",
+        lambda: decode_attention(*args),
+        nbytes,
+        0.0,
+    )
 
 
 def sweep() -> None:
@@ -242,20 +347,34 @@ def sweep() -> None:
     print("\n== decode launch sweep (BLOCK_N, num_warps, num_stages) ==", flush=True)
     defaults = (attention_decode.BLOCK_N, attention_decode.NUM_WARPS, attention_decode.NUM_STAGES)
     rng = random.Random(1)
-    shapes = [("llama-8b", 64, [rng.randint(100, 2048) for _ in range(64)]),
-              ("qwen3-0.6b", 256, [rng.randint(100, 2048) for _ in range(256)]),
-              ("llama-8b", 1, [32768])]
+    shapes = [
+        ("llama-8b", 64, [rng.randint(100, 2048) for _ in range(64)]),
+        ("qwen3-0.6b", 256, [rng.randint(100, 2048) for _ in range(256)]),
+        ("llama-8b", 1, [32768]),
+    ]
     cases = []
     for model, batch_size, seq_lens in shapes:
         num_heads, num_kv_heads, head_dim = MODELS[model][:3]
-        batch = make_paged_batch([s - 1 for s in seq_lens], [1] * batch_size, num_kv_heads, head_dim,
-                                 PAGE_SIZE, DTYPE, DEVICE, torch.Generator().manual_seed(0),
-                                 table_width=TABLE_WIDTH)
+        batch = make_paged_batch(
+            [s - 1 for s in seq_lens],
+            [1] * batch_size,
+            num_kv_heads,
+            head_dim,
+            PAGE_SIZE,
+            DTYPE,
+            DEVICE,
+            torch.Generator().manual_seed(0),
+            table_width=TABLE_WIDTH,
+        )
         q = torch.randn((batch_size, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
         nbytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * DTYPE.itemsize
-        cases.append((f"{model} B={batch_size}", nbytes,
-                      (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens,
-                       0.088)))
+        cases.append(
+            (
+                f"{model} B={batch_size}",
+                nbytes,
+                (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens, 0.088),
+            )
+        )
     for config in [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]:
         attention_decode.BLOCK_N, attention_decode.NUM_WARPS, attention_decode.NUM_STAGES = config
         line = []
@@ -274,24 +393,66 @@ def sweep() -> None:
     del cases
 
     print("\n== extend launch sweep (BLOCK_M, BLOCK_N, num_warps, num_stages) ==", flush=True)
-    defaults = (attention_extend.BLOCK_M, attention_extend.BLOCK_N, attention_extend.NUM_WARPS,
-                attention_extend.NUM_STAGES)
+    defaults = (
+        attention_extend.BLOCK_M,
+        attention_extend.BLOCK_N,
+        attention_extend.NUM_WARPS,
+        attention_extend.NUM_STAGES,
+    )
     num_heads, num_kv_heads, head_dim = MODELS["llama-8b"][:3]
-    batch = make_paged_batch([0, 1024], [2048, 1024], num_kv_heads, head_dim, PAGE_SIZE, DTYPE, DEVICE,
-                             torch.Generator().manual_seed(0), table_width=TABLE_WIDTH)
+    batch = make_paged_batch(
+        [0, 1024],
+        [2048, 1024],
+        num_kv_heads,
+        head_dim,
+        PAGE_SIZE,
+        DTYPE,
+        DEVICE,
+        torch.Generator().manual_seed(0),
+        table_width=TABLE_WIDTH,
+    )
     q = torch.randn((3072, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
     flop = 4 * (2048 * 2049 // 2 + 1024 * 1024 + 1024 * 1025 // 2) * num_heads * head_dim
-    for config in [(64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3),
-                   (128, 128, 8, 2), (64, 32, 4, 3)]:
-        (attention_extend.BLOCK_M, attention_extend.BLOCK_N, attention_extend.NUM_WARPS,
-         attention_extend.NUM_STAGES) = config
-        us = bench_us(lambda: extend_attention(q, batch.k_pool, batch.v_pool, batch.page_table,
-                                               batch.table_idx, batch.prefix_lens, batch.seq_lens,
-                                               batch.cu_extend_lens, 2048, 0.088))
-        print(f"  {config}: llama-8b prefill 2048 + (1024 cached, 1024 new): {us:8.1f} us "
-              f"{flop / us / 1e6:6.1f} TFLOP/s", flush=True)
-    (attention_extend.BLOCK_M, attention_extend.BLOCK_N, attention_extend.NUM_WARPS,
-     attention_extend.NUM_STAGES) = defaults
+    for config in [
+        (64, 64, 4, 2),
+        (64, 64, 8, 2),
+        (128, 64, 8, 2),
+        (128, 64, 8, 3),
+        (128, 32, 4, 3),
+        (128, 128, 8, 2),
+        (64, 32, 4, 3),
+    ]:
+        (
+            attention_extend.BLOCK_M,
+            attention_extend.BLOCK_N,
+            attention_extend.NUM_WARPS,
+            attention_extend.NUM_STAGES,
+        ) = config
+        us = bench_us(
+            lambda: extend_attention(
+                q,
+                batch.k_pool,
+                batch.v_pool,
+                batch.page_table,
+                batch.table_idx,
+                batch.prefix_lens,
+                batch.seq_lens,
+                batch.cu_extend_lens,
+                2048,
+                0.088,
+            )
+        )
+        print(
+            f"  {config}: llama-8b prefill 2048 + (1024 cached, 1024 new): {us:8.1f} us "
+            f"{flop / us / 1e6:6.1f} TFLOP/s",
+            flush=True,
+        )
+    (
+        attention_extend.BLOCK_M,
+        attention_extend.BLOCK_N,
+        attention_extend.NUM_WARPS,
+        attention_extend.NUM_STAGES,
+    ) = defaults
 
 
 def split_table() -> None:
@@ -302,8 +463,17 @@ def split_table() -> None:
     rng = random.Random(2)
     for batch_size in (8, 16, 32, 48, 64, 96, 128, 192):
         seq_lens = [rng.randint(600, 1400) for _ in range(batch_size)]
-        batch = make_paged_batch([s - 1 for s in seq_lens], [1] * batch_size, num_kv_heads, head_dim, 1, DTYPE,
-                                 DEVICE, torch.Generator().manual_seed(0), table_width=TABLE_WIDTH)
+        batch = make_paged_batch(
+            [s - 1 for s in seq_lens],
+            [1] * batch_size,
+            num_kv_heads,
+            head_dim,
+            1,
+            DTYPE,
+            DEVICE,
+            torch.Generator().manual_seed(0),
+            table_width=TABLE_WIDTH,
+        )
         q = torch.randn((batch_size, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
         args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens, 0.088)
         nbytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * DTYPE.itemsize
@@ -312,8 +482,11 @@ def split_table() -> None:
         for num_splits in (1, 2, 3, 4, 6, 8, 12, 16):
             us = graph_us(lambda: decode_attention(*args, num_splits=num_splits))
             line.append(f"{num_splits}: {us:6.1f}")
-        print(f"  B={batch_size:3d} ({nbytes / 1e6:5.0f} MB, floor {nbytes / COPY_CEILING_BYTES_PER_S * 1e6:5.1f} us, "
-              f"default {default} splits) graph-replay us by splits: " + "  ".join(line), flush=True)
+        print(
+            f"  B={batch_size:3d} ({nbytes / 1e6:5.0f} MB, floor {nbytes / COPY_CEILING_BYTES_PER_S * 1e6:5.1f} us, "
+            f"default {default} splits) graph-replay us by splits: " + "  ".join(line),
+            flush=True,
+        )
 
 
 def qwen3_sweep() -> None:
@@ -325,52 +498,122 @@ def qwen3_sweep() -> None:
     cases = []
     for batch_size in (32, 128, 256):
         seq_lens = [rng.randint(600, 1400) for _ in range(batch_size)]
-        batch = make_paged_batch([s - 1 for s in seq_lens], [1] * batch_size, num_kv_heads, head_dim, 1, DTYPE,
-                                 DEVICE, torch.Generator().manual_seed(0), table_width=TABLE_WIDTH)
+        batch = make_paged_batch(
+            [s - 1 for s in seq_lens],
+            [1] * batch_size,
+            num_kv_heads,
+            head_dim,
+            1,
+            DTYPE,
+            DEVICE,
+            torch.Generator().manual_seed(0),
+            table_width=TABLE_WIDTH,
+        )
         q = torch.randn((batch_size, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
-        cases.append((batch_size, (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx,
-                                   batch.seq_lens, 0.088)))
-    print("\n== qwen3 decode launch sweep (BLOCK_N, num_warps, num_stages): graph-replay us at B=32/128/256 ==")
+        cases.append(
+            (
+                batch_size,
+                (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens, 0.088),
+            )
+        )
+    print(
+        "\n== qwen3 decode launch sweep (BLOCK_N, num_warps, num_stages): graph-replay us at B=32/128/256 =="
+    )
     defaults = (attention_decode.BLOCK_N, attention_decode.NUM_WARPS, attention_decode.NUM_STAGES)
-    for config in [(64, 4, 3), (64, 4, 2), (64, 4, 4), (32, 4, 3), (32, 2, 3), (64, 2, 3), (128, 4, 3),
-                   (128, 8, 3), (64, 8, 3)]:
+    for config in [
+        (64, 4, 3),
+        (64, 4, 2),
+        (64, 4, 4),
+        (32, 4, 3),
+        (32, 2, 3),
+        (64, 2, 3),
+        (128, 4, 3),
+        (128, 8, 3),
+        (64, 8, 3),
+    ]:
         attention_decode.BLOCK_N, attention_decode.NUM_WARPS, attention_decode.NUM_STAGES = config
         times = [graph_us(lambda: decode_attention(*args)) for _, args in cases]
-        print(f"  {config}: " + "  ".join(f"{t:7.1f}" for t in times) + f"   sum {sum(times):7.1f}", flush=True)
+        print(
+            f"  {config}: " + "  ".join(f"{t:7.1f}" for t in times) + f"   sum {sum(times):7.1f}", flush=True
+        )
     attention_decode.BLOCK_N, attention_decode.NUM_WARPS, attention_decode.NUM_STAGES = defaults
     del cases
 
     extend = []
     while sum(extend) < 8192:
         extend.append(min(rng.randint(100, 1024), 8192 - sum(extend)))
-    batch = make_paged_batch([0] * len(extend), extend, num_kv_heads, head_dim, 1, DTYPE, DEVICE,
-                             torch.Generator().manual_seed(0), table_width=TABLE_WIDTH)
+    batch = make_paged_batch(
+        [0] * len(extend),
+        extend,
+        num_kv_heads,
+        head_dim,
+        1,
+        DTYPE,
+        DEVICE,
+        torch.Generator().manual_seed(0),
+        table_width=TABLE_WIDTH,
+    )
     q = torch.randn((8192, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
     flop = sum(4 * n * (n + 1) // 2 * num_heads * head_dim for n in extend)
-    print(f"\n== qwen3 extend launch sweep (BLOCK_M, BLOCK_N, num_warps, num_stages): 8192 tokens in "
-          f"{len(extend)} prompts ==")
-    defaults = (attention_extend.BLOCK_M, attention_extend.BLOCK_N, attention_extend.NUM_WARPS,
-                attention_extend.NUM_STAGES)
-    for config in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3),
-                   (64, 32, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2)]:
-        (attention_extend.BLOCK_M, attention_extend.BLOCK_N, attention_extend.NUM_WARPS,
-         attention_extend.NUM_STAGES) = config
-        us = bench_us(lambda: extend_attention(q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx,
-                                               batch.prefix_lens, batch.seq_lens, batch.cu_extend_lens,
-                                               max(extend), 0.088))
+    print(
+        f"\n== qwen3 extend launch sweep (BLOCK_M, BLOCK_N, num_warps, num_stages): 8192 tokens in "
+        f"{len(extend)} prompts =="
+    )
+    defaults = (
+        attention_extend.BLOCK_M,
+        attention_extend.BLOCK_N,
+        attention_extend.NUM_WARPS,
+        attention_extend.NUM_STAGES,
+    )
+    for config in [
+        (64, 64, 4, 2),
+        (64, 64, 4, 3),
+        (128, 64, 8, 2),
+        (128, 64, 8, 3),
+        (128, 32, 4, 3),
+        (64, 32, 4, 3),
+        (128, 128, 8, 2),
+        (64, 128, 4, 2),
+    ]:
+        (
+            attention_extend.BLOCK_M,
+            attention_extend.BLOCK_N,
+            attention_extend.NUM_WARPS,
+            attention_extend.NUM_STAGES,
+        ) = config
+        us = bench_us(
+            lambda: extend_attention(
+                q,
+                batch.k_pool,
+                batch.v_pool,
+                batch.page_table,
+                batch.table_idx,
+                batch.prefix_lens,
+                batch.seq_lens,
+                batch.cu_extend_lens,
+                max(extend),
+                0.088,
+            )
+        )
         print(f"  {config}: {us:8.1f} us {flop / us / 1e6:6.1f} TFLOP/s", flush=True)
-    (attention_extend.BLOCK_M, attention_extend.BLOCK_N, attention_extend.NUM_WARPS,
-     attention_extend.NUM_STAGES) = defaults
+    (
+        attention_extend.BLOCK_M,
+        attention_extend.BLOCK_N,
+        attention_extend.NUM_WARPS,
+        attention_extend.NUM_STAGES,
+    ) = defaults
 
 
 def rotated_graph_us(make_call, weights: list[torch.Tensor], reps: int = 10) -> float:
     """Median us per call of `make_call(w)`, replayed from one CUDA graph that cycles through
     `weights` (together larger than the 60 MB L2), so each call reads its weights from HBM as
     in a decode step, where a layer's weights were last touched a whole model ago."""
+
     def calls():
         for _ in range(reps):
             for w in weights:
                 make_call(w)
+
     calls()  # compile / warm up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -393,8 +636,9 @@ def gemm_configs_us(x: torch.Tensor, weights: list[torch.Tensor]) -> list[tuple[
     and 3-4 stages; tiles taller than the batch and more splits than K blocks are skipped."""
     m, k = x.shape
     results = []
-    for bm, bn, bk, split, stages in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (1, 2, 4, 8, 16),
-                                                       (3, 4)):
+    for bm, bn, bk, split, stages in itertools.product(
+        (16, 32, 64), (32, 64, 128), (64, 128), (1, 2, 4, 8, 16), (3, 4)
+    ):
         if bm > max(16, triton.next_power_of_2(m)) or k // bk < split:
             continue
         cfg = (bm, bn, bk, split, 4, stages)
@@ -411,12 +655,25 @@ def gemm_sweep(full: bool) -> None:
     import torch.nn.functional as F
 
     shapes = {  # name: (N, K) of y[M, N] = x[M, K] @ w[N, K].T
-        "qwen3-0.6b": {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
-        "llama-8b": {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+        "qwen3-0.6b": {
+            "qkv": (4096, 1024),
+            "o_proj": (1024, 2048),
+            "gate_up": (6144, 1024),
+            "down": (1024, 3072),
+        },
+        "llama-8b": {
+            "qkv": (6144, 4096),
+            "o_proj": (4096, 4096),
+            "gate_up": (28672, 4096),
+            "down": (4096, 14336),
+        },
     }
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print("\n== decode GEMMs: us per call, weights from HBM (floor = max(weight bytes / 4.26 TB/s, "
-          "FLOPs / 790 TF)) ==", flush=True)
+    print(
+        "\n== decode GEMMs: us per call, weights from HBM (floor = max(weight bytes / 4.26 TB/s, "
+        "FLOPs / 790 TF)) ==",
+        flush=True,
+    )
     for model, layer in shapes.items():
         totals = {"cublas": {}, "triton": {}}
         for name, (n, k) in layer.items():
@@ -424,24 +681,34 @@ def gemm_sweep(full: bool) -> None:
             weights = [torch.randn((n, k), device=DEVICE, dtype=DTYPE) * 0.02 for _ in range(copies)]
             for m in (1, 16, 64, 128, 256):
                 x = torch.randn((m, k), device=DEVICE, dtype=DTYPE)
-                check(f"gemm {model} {name} M={m}", gemm.linear(x, weights[0]), F.linear(x, weights[0]),
-                      atol=2e-2, rtol=2e-2)
+                check(
+                    f"gemm {model} {name} M={m}",
+                    gemm.linear(x, weights[0]),
+                    F.linear(x, weights[0]),
+                    atol=2e-2,
+                    rtol=2e-2,
+                )
                 floor = max(n * k * 2 / COPY_CEILING_BYTES_PER_S, 2 * m * n * k / 790e12) * 1e6
                 cublas = rotated_graph_us(lambda w: F.linear(x, w), weights)
                 default = gemm.choose_config(m, n, k, sms)
                 ours = rotated_graph_us(lambda w: gemm.linear(x, w), weights)
                 totals["cublas"][m] = totals["cublas"].get(m, 0) + cublas
                 totals["triton"][m] = totals["triton"].get(m, 0) + ours
-                line = f"  {model:10s} {name:7s} M={m:3d} N={n:5d} K={k:5d} floor {floor:6.1f}  cublas {cublas:6.1f}  " \
-                       f"triton {ours:6.1f} {default}"
+                line = (
+                    f"  {model:10s} {name:7s} M={m:3d} N={n:5d} K={k:5d} floor {floor:6.1f}  cublas {cublas:6.1f}  "
+                    f"triton {ours:6.1f} {default}"
+                )
                 if full and model == "qwen3-0.6b" and m in (16, 64, 256):
                     results = sorted(gemm_configs_us(x, weights))
                     line += "  best " + "  ".join(f"{us:5.1f} {cfg}" for us, cfg in results[:3])
                 print(line, flush=True)
             del weights
         for m in (1, 16, 64, 128, 256):
-            print(f"  {model} per layer M={m}: cublas {totals['cublas'][m]:6.1f} us, triton "
-                  f"{totals['triton'][m]:6.1f} us", flush=True)
+            print(
+                f"  {model} per layer M={m}: cublas {totals['cublas'][m]:6.1f} us, triton "
+                f"{totals['triton'][m]:6.1f} us",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -450,11 +717,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--splits", action="store_true", help="only the decode split-count table")
     parser.add_argument("--qwen3-sweep", action="store_true", help="only the launch sweep on qwen3 shapes")
-    parser.add_argument("--gemm", action="store_true", help="only the decode GEMMs: cuBLAS vs the Triton kernel")
+    parser.add_argument(
+        "--gemm", action="store_true", help="only the decode GEMMs: cuBLAS vs the Triton kernel"
+    )
     parser.add_argument("--gemm-sweep", action="store_true", help="--gemm plus a sweep of its launch configs")
     opts = parser.parse_args()
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}",
-          flush=True)
+    print(
+        f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True
+    )
     start = time.time()
     if opts.gemm or opts.gemm_sweep:
         gemm_sweep(full=opts.gemm_sweep)
@@ -495,13 +765,19 @@ def main() -> None:
     if opts.sweep:
         sweep()
 
-    print(f"\n== summary ({time.time() - start:.0f} s; bytes = data each kernel must move; "
-          f"ceiling 4.26 TB/s) ==")
-    print(f"{'kernel':14s} {'model':11s} {'shape':46s} {'MB':>8s} {'time us':>9s} {'graph us':>9s} "
-          f"{'GB/s':>7s} {'% ceil':>7s}  notes")
+    print(
+        f"\n== summary ({time.time() - start:.0f} s; bytes = data each kernel must move; "
+        f"ceiling 4.26 TB/s) =="
+    )
+    print(
+        f"{'kernel':14s} {'model':11s} {'shape':46s} {'MB':>8s} {'time us':>9s} {'graph us':>9s} "
+        f"{'GB/s':>7s} {'% ceil':>7s}  notes"
+    )
     for r in rows:
-        print(f"{r['kernel']:14s} {r['model']:11s} {r['shape']:46s} {r['mb']:8.2f} {r['us']:9.1f} "
-              f"{r['graph_us']:9.1f} {r['gbs']:7.0f} {r['pct']:6.1f}%  {r['extra']}")
+        print(
+            f"{r['kernel']:14s} {r['model']:11s} {r['shape']:46s} {r['mb']:8.2f} {r['us']:9.1f} "
+            f"{r['graph_us']:9.1f} {r['gbs']:7.0f} {r['pct']:6.1f}%  {r['extra']}"
+        )
     if failures:
         print(f"\n{len(failures)} correctness FAILURES:")
         for f in failures:

@@ -22,7 +22,9 @@ def parity(rows: list[str]) -> None:
 
     from minfer import LLM, SamplingParams
 
-    prompts = [[(i * 7 + j * 13) % 250 for j in range(n)] for i, n in enumerate([5, 70, 17, 1, 33, 300, 2, 129])]
+    prompts = [
+        [(i * 7 + j * 13) % 250 for j in range(n)] for i, n in enumerate([5, 70, 17, 1, 33, 300, 2, 129])
+    ]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for arch in ARCHS:
         path = tempfile.mkdtemp()
@@ -30,16 +32,26 @@ def parity(rows: list[str]) -> None:
         for dtype in ("float32", "bfloat16"):
             outs = {}
             for backend, graphs in (("torch", 0), ("triton", 0), ("triton", 64)):
-                llm = LLM(path, device="cuda", dtype=dtype, attention_backend=backend, cuda_graph_max_bs=graphs,
-                          kv_cache_tokens=8192, chunked_prefill_size=64, page_size=16 if arch == "llama" else 1)
+                llm = LLM(
+                    path,
+                    device="cuda",
+                    dtype=dtype,
+                    attention_backend=backend,
+                    cuda_graph_max_bs=graphs,
+                    kv_cache_tokens=8192,
+                    chunked_prefill_size=64,
+                    page_size=16 if arch == "llama" else 1,
+                )
                 outs[(backend, graphs)] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
                 del llm
                 torch.cuda.empty_cache()
             ref = outs[("torch", 0)]
             for key, got in outs.items():
                 same = sum(a == b for a, b in zip(ref, got))
-                rows.append(f"parity {arch:8s} {dtype:9s} {key[0]:6s} graphs={key[1]:<3d} {same}/{len(ref)} "
-                            f"sequences equal to torch")
+                rows.append(
+                    f"parity {arch:8s} {dtype:9s} {key[0]:6s} graphs={key[1]:<3d} {same}/{len(ref)} "
+                    f"sequences equal to torch"
+                )
 
 
 def bench(model: str, rows: list[str], extra: list[str], kind: str = "offline") -> None:
@@ -48,7 +60,9 @@ def bench(model: str, rows: list[str], extra: list[str], kind: str = "offline") 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
     print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith(("throughput", "prefill", "floor", "wall"))]
-    rows.append(f"bench {model} {' '.join(extra)} ({time.time() - start:.0f} s incl. load): " + " | ".join(lines))
+    rows.append(
+        f"bench {model} {' '.join(extra)} ({time.time() - start:.0f} s incl. load): " + " | ".join(lines)
+    )
 
 
 def profile(model: str, rows: list[str], decode_batches: list[int]) -> None:
@@ -83,13 +97,26 @@ def profile(model: str, rows: list[str], decode_batches: list[int]) -> None:
                 torch.cuda.synchronize()
                 per_step = (time.perf_counter() - t0) / steps
             # kernels and copies only: an aten op's device time repeats that of its kernels
-            gpu_ms = sum(e.self_device_time_total for e in prof.key_averages()
-                         if e.device_type == torch.autograd.DeviceType.CUDA) / steps / 1e3
-            print(f"==== {phase}: {per_step * 1e3:.2f} ms/step wall, {gpu_ms:.2f} ms/step of GPU kernels, "
-                  f"running {len(sched.running)}")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
-            rows.append(f"profile {model} {phase}: {per_step * 1e3:.2f} ms/step wall, {gpu_ms:.2f} ms/step GPU "
-                        f"(running {len(sched.running)})")
+            gpu_ms = (
+                sum(
+                    e.self_device_time_total
+                    for e in prof.key_averages()
+                    if e.device_type == torch.autograd.DeviceType.CUDA
+                )
+                / steps
+                / 1e3
+            )
+            print(
+                f"==== {phase}: {per_step * 1e3:.2f} ms/step wall, {gpu_ms:.2f} ms/step of GPU kernels, "
+                f"running {len(sched.running)}"
+            )
+            print(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60)
+            )
+            rows.append(
+                f"profile {model} {phase}: {per_step * 1e3:.2f} ms/step wall, {gpu_ms:.2f} ms/step GPU "
+                f"(running {len(sched.running)})"
+            )
         for uid in list(sched.by_uid):
             sched.abort(uid)
         while sched.has_work:

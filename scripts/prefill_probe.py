@@ -54,10 +54,17 @@ timed = steps[first_timed:]
 prefill = [(n, round(s * 1e3, 1)) for p, n, s in timed if p == Phase.PREFILL.value]
 print("prefill steps (batch size, ms):", prefill)
 print("first decode steps ms:", [round(s * 1e3, 1) for p, n, s in timed if p != Phase.PREFILL.value][:10])
-timed_pauses = [(g, d, i - first_timed) for g, d, i in pauses[stats["first_timed_pause"]:]]
-print("gc pauses in the timed run (generation, ms, step) > 1 ms:",
-      [(g, round(d * 1e3, 1), i) for g, d, i in timed_pauses if d > 1e-3],
-      "total", round(sum(d for _, d, _ in timed_pauses) * 1e3, 1), "ms in", len(timed_pauses))
+timed_pauses = [(g, d, i - first_timed) for g, d, i in pauses[stats["first_timed_pause"] :]]
+print(
+    "gc pauses in the timed run (generation, ms, step) > 1 ms:",
+    [(g, round(d * 1e3, 1), i) for g, d, i in timed_pauses if d > 1e-3],
+    "total",
+    round(sum(d for _, d, _ in timed_pauses) * 1e3, 1),
+    "ms in",
+    len(timed_pauses),
+)
 if torch.cuda.is_available():
-    print("cuda segments allocated in the timed run:",
-          torch.cuda.memory_stats().get("segment.all.allocated", 0) - stats.get("alloc_before", 0))
+    print(
+        "cuda segments allocated in the timed run:",
+        torch.cuda.memory_stats().get("segment.all.allocated", 0) - stats.get("alloc_before", 0),
+    )

@@ -48,16 +48,27 @@ def pid_alive(pid: int) -> bool:
 class Server:
     """`python -m minfer serve ...` on a free port; its output goes to a log file."""
 
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 180.0, env: dict | None = None,
-                 auth: str | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        timeout: float = 180.0,
+        env: dict | None = None,
+        auth: str | None = None,
+    ):
         self.port = free_port()
         self.headers = {"Authorization": f"Bearer {auth}"} if auth else {}  # sent by info() and post()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 - open while the server runs
         cmd = [sys.executable, "-m", "minfer", "serve", *args, "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        )
         self.wait_healthy(timeout)
         self.workers = self.info()["workers"]
 
@@ -85,8 +96,13 @@ class Server:
     def post(self, path: str, body=None, **kwargs) -> httpx.Response:
         """POST `body` as JSON; bytes are sent as they are (for bodies json.dumps refuses: NaN)."""
         if isinstance(body, bytes):
-            return httpx.post(self.url + path, content=body, timeout=60,
-                              headers={"content-type": "application/json", **self.headers}, **kwargs)
+            return httpx.post(
+                self.url + path,
+                content=body,
+                timeout=60,
+                headers={"content-type": "application/json", **self.headers},
+                **kwargs,
+            )
         return httpx.post(self.url + path, json=body, timeout=60, headers=self.headers, **kwargs)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
@@ -109,7 +125,7 @@ def parse_sse(raw: str) -> list:
     out = []
     for event in events[:-1]:
         assert event.startswith("data: "), event
-        payload = event[len("data: "):]
+        payload = event[len("data: ") :]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     assert out[-1] == "[DONE]" and "[DONE]" not in out[:-1]
     return out[:-1]

@@ -97,7 +97,9 @@ def test_imports_only_go_down():
 
 def test_no_import_cycles():
     known = modules()
-    graph = {name: imports_of(path, known) - {name, "minfer"} for name, path in known.items() if name != "minfer"}
+    graph = {
+        name: imports_of(path, known) - {name, "minfer"} for name, path in known.items() if name != "minfer"
+    }
     # A package imports its own modules through __init__ only if it says so; ignore pkg -> pkg.child.
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -107,7 +109,7 @@ def test_no_import_cycles():
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)

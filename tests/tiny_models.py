@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import torch
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 
@@ -16,10 +24,17 @@ def tiny_hf_config(arch: str, **overrides):
 
     kw = dict(TINY, **overrides)
     if arch == "llama":
-        cfg = transformers.LlamaConfig(**kw, tie_word_embeddings=False,
-                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                     "high_freq_factor": 4.0,
-                                                     "original_max_position_embeddings": 64})
+        cfg = transformers.LlamaConfig(
+            **kw,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**kw, tie_word_embeddings=True)
     elif arch == "qwen3":
@@ -50,9 +65,15 @@ def save_tiny_model(arch: str, path, seed: int = 0, **overrides):
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def save_tiny_chat_model(path, **overrides):

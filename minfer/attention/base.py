@@ -54,8 +54,14 @@ class AttentionBackend(Protocol):
         """q: [T, Hq, D] of the pass's tokens; K/V already stored. Returns [T, Hq, D]."""
 
 
-def build_metadata(table_idx: list[int], prefix_lens: list[int], extend_lens: list[int],
-                   page_table: torch.Tensor, is_decode: bool, device: torch.device) -> AttentionMetadata:
+def build_metadata(
+    table_idx: list[int],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    page_table: torch.Tensor,
+    is_decode: bool,
+    device: torch.device,
+) -> AttentionMetadata:
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     cu = [0]
     for e in extend_lens:

@@ -34,12 +34,12 @@ class TorchAttentionBackend:
             if group > 1:
                 k = k.repeat_interleave(group, dim=0)
                 v = v.repeat_interleave(group, dim=0)
-            qi = q[start:start + extend].transpose(0, 1)  # [Hq, E, D]
+            qi = q[start : start + extend].transpose(0, 1)  # [Hq, E, D]
             scores = torch.matmul(qi.float(), k.float().transpose(1, 2)) * scale  # [Hq, E, S]
             if extend > 1:  # query j sits at position prefix + j and sees keys [0, prefix + j]
                 visible = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
                 scores = scores.masked_fill(~visible, float("-inf"))
             o = torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)
-            out[start:start + extend] = o.transpose(0, 1)
+            out[start : start + extend] = o.transpose(0, 1)
             start += extend
         return out

@@ -26,5 +26,15 @@ class TritonAttentionBackend:
         k_pool, v_pool = ctx.kv_pool.k[layer], ctx.kv_pool.v[layer]
         if meta.is_decode:
             return decode_attention(q, k_pool, v_pool, meta.page_table, meta.table_idx, meta.seq_lens, scale)
-        return extend_attention(q, k_pool, v_pool, meta.page_table, meta.table_idx, meta.prefix_lens,
-                                meta.seq_lens, meta.cu_extend_lens, meta.max_extend_len, scale)
+        return extend_attention(
+            q,
+            k_pool,
+            v_pool,
+            meta.page_table,
+            meta.table_idx,
+            meta.prefix_lens,
+            meta.seq_lens,
+            meta.cu_extend_lens,
+            meta.max_extend_len,
+            scale,
+        )

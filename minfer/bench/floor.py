@@ -34,13 +34,21 @@ class Floor:
         return self.decode_seconds + self.prefill_seconds
 
 
-def workload_floor(card: Card, num_params: int, weight_bytes: int, kv_bytes_per_token: int,
-                   prompt_lens: list[int], output_lens: list[int]) -> Floor:
+def workload_floor(
+    card: Card,
+    num_params: int,
+    weight_bytes: int,
+    kv_bytes_per_token: int,
+    prompt_lens: list[int],
+    output_lens: list[int],
+) -> Floor:
     """All requests run concurrently from the first decode step (the most favourable batching):
     step s reads the weights and, for each request still generating, prompt + s tokens of KV.
     The first output token comes from prefill, so a request of n outputs takes n - 1 decode steps."""
     steps = max(output_lens) - 1
-    kv_token_reads = sum(n * (p + (n - 1) / 2) for p, n in ((p, o - 1) for p, o in zip(prompt_lens, output_lens)))
+    kv_token_reads = sum(
+        n * (p + (n - 1) / 2) for p, n in ((p, o - 1) for p, o in zip(prompt_lens, output_lens))
+    )
     decode = (steps * weight_bytes + kv_token_reads * kv_bytes_per_token) / card.bandwidth
     prefill = 2 * num_params * sum(prompt_lens) / card.matmul_rate
     return Floor(decode, prefill)

@@ -37,8 +37,12 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     from minfer.engine.engine import freeze_long_lived_objects
 
     # No model named: the embedded default (real weights). A shipped shape name: dummy weights.
-    if config.model and config.load_format == "auto" and not config.model.endswith(".gguf") \
-            and "/" not in config.model:
+    if (
+        config.model
+        and config.load_format == "auto"
+        and not config.model.endswith(".gguf")
+        and "/" not in config.model
+    ):
         config.load_format = "dummy"
     llm = LLM(**vars(config))
     prompts, params = make_workload(args.num_requests, args.input_len, args.output_len, args.bench_seed)
@@ -49,8 +53,11 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     # by 16 or not, ...), which must not happen inside the timed run. A 16-request warm-up
     # missed some: the timed prefill then took 1.39 s instead of 0.51 s on the H200.
     warm_prompts, _ = make_workload(args.num_requests, args.input_len, args.output_len, args.bench_seed + 1)
-    llm.generate([[t % llm.engine.vocab_size for t in p] for p in warm_prompts],
-                 SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2), use_tqdm=False)
+    llm.generate(
+        [[t % llm.engine.vocab_size for t in p] for p in warm_prompts],
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2),
+        use_tqdm=False,
+    )
     # As the server's scheduler process does after start-up: without this, full collections in
     # the timed run walk every object of the engine and the warm-up (0.1-0.2 s pauses seen).
     freeze_long_lived_objects()
@@ -64,22 +71,40 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     engine = llm.engine
     num_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
     card = H200.times(engine.tp.size)
-    floor = workload_floor(card, num_params * engine.tp.size, engine.memory.weights_bytes * engine.tp.size,
-                           engine.kv_bytes_per_token * engine.tp.size, [len(p) for p in prompts],
-                           [p.max_tokens for p in params])
+    floor = workload_floor(
+        card,
+        num_params * engine.tp.size,
+        engine.memory.weights_bytes * engine.tp.size,
+        engine.kv_bytes_per_token * engine.tp.size,
+        [len(p) for p in prompts],
+        [p.max_tokens for p in params],
+    )
     mean_bs = c.decode_batch_total / max(c.decode_steps, 1)
-    print(f"model {engine.source.name} ({engine.source.load_format}, {engine.dtype}, {engine.device}, "
-          f"attention {engine.backend.name})")
+    print(
+        f"model {engine.source.name} ({engine.source.load_format}, {engine.dtype}, {engine.device}, "
+        f"attention {engine.backend.name})"
+    )
     print(f"requests {len(prompts)}, prompt tokens {sum(map(len, prompts))}, output tokens {output_tokens}")
     print(f"throughput {output_tokens / wall:,.0f} output tok/s, wall {wall:.2f} s")
-    print(f"prefill {c.prefill_seconds:.2f} s in {c.prefill_steps} steps, decode {c.decode_seconds:.2f} s in "
-          f"{c.decode_steps} steps (mean batch {mean_bs:.1f}), preemptions {c.preemptions}")
-    print(f"decode throughput {c.decode_batch_total / max(c.decode_seconds, 1e-9):,.1f} tok/s "
-          f"({1e3 * c.decode_seconds / max(c.decode_steps, 1):.1f} ms per step)")
-    print("decode ms per step by batch size: " + ", ".join(
-        f"{low}-{2 * low - 1}: {1e3 * secs / steps:.2f} ({steps})"
-        for low, (steps, secs) in sorted(c.decode_by_batch.items())) + "   [band: ms/step (steps)]")
-    print(f"floor on {card.name}: {floor.seconds:.2f} s = {output_tokens / floor.seconds:,.0f} tok/s "
-          f"(decode bytes {floor.decode_seconds:.2f} s + prefill FLOPs {floor.prefill_seconds:.2f} s); "
-          f"this run is at {100 * floor.seconds / wall:.1f}% of the {card.name} floor")
+    print(
+        f"prefill {c.prefill_seconds:.2f} s in {c.prefill_steps} steps, decode {c.decode_seconds:.2f} s in "
+        f"{c.decode_steps} steps (mean batch {mean_bs:.1f}), preemptions {c.preemptions}"
+    )
+    print(
+        f"decode throughput {c.decode_batch_total / max(c.decode_seconds, 1e-9):,.1f} tok/s "
+        f"({1e3 * c.decode_seconds / max(c.decode_steps, 1):.1f} ms per step)"
+    )
+    print(
+        "decode ms per step by batch size: "
+        + ", ".join(
+            f"{low}-{2 * low - 1}: {1e3 * secs / steps:.2f} ({steps})"
+            for low, (steps, secs) in sorted(c.decode_by_batch.items())
+        )
+        + "   [band: ms/step (steps)]"
+    )
+    print(
+        f"floor on {card.name}: {floor.seconds:.2f} s = {output_tokens / floor.seconds:,.0f} tok/s "
+        f"(decode bytes {floor.decode_seconds:.2f} s + prefill FLOPs {floor.prefill_seconds:.2f} s); "
+        f"this run is at {100 * floor.seconds / wall:.1f}% of the {card.name} floor"
+    )
     return 0

@@ -21,9 +21,11 @@ from pathlib import Path
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # What the arguments default to per workload: the random draw follows vLLM's bench defaults, the
 # nano-vllm draw its own (so the figure is comparable with `minfer bench offline`).
-WORKLOAD_DEFAULTS = {"random": {"num_prompts": 1000, "input_len": 1024, "output_len": 128},
-                     "nano-vllm": {"num_prompts": 256, "input_len": 1024, "output_len": 1024},
-                     "dataset": {"num_prompts": None, "input_len": None, "output_len": 128}}
+WORKLOAD_DEFAULTS = {
+    "random": {"num_prompts": 1000, "input_len": 1024, "output_len": 128},
+    "nano-vllm": {"num_prompts": 256, "input_len": 1024, "output_len": 1024},
+    "dataset": {"num_prompts": None, "input_len": None, "output_len": 128},
+}
 
 
 class BenchError(Exception):
@@ -34,7 +36,9 @@ def request_rate(text: str) -> float:
     try:
         rate = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of requests per second or inf, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a number of requests per second or inf, got {text!r}"
+        ) from None
     if not rate > 0:
         raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text}")
     return rate
@@ -53,29 +57,66 @@ def positive_int(text: str) -> int:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
     p.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
-    p.add_argument("--model", default=None, help="model name sent in requests (default: the first of /v1/models)")
-    p.add_argument("--workload", choices=("random", "nano-vllm"), default=None,
-                   help="random-length prompts of random token ids, or nano-vllm's offline draw (default: random)")
-    p.add_argument("--dataset", default=None, help="a JSONL file: one {prompt | messages, max_tokens?} per line")
-    p.add_argument("--num-prompts", type=positive_int, default=None,
-                   help="requests to send (default: random 1000, nano-vllm 256, dataset: every line)")
-    p.add_argument("--input-len", type=positive_int, default=None, help="prompt tokens (nano-vllm: upper end)")
-    p.add_argument("--output-len", type=positive_int, default=None,
-                   help="max_tokens (nano-vllm: upper end; dataset: for lines without max_tokens)")
-    p.add_argument("--range-ratio", type=float, default=0.0,
-                   help="random: lengths uniform in [L*(1-r), L*(1+r)]")
-    p.add_argument("--request-rate", type=request_rate, default=math.inf,
-                   help="mean requests per second of the Poisson arrivals, or inf to send all at once")
+    p.add_argument(
+        "--model", default=None, help="model name sent in requests (default: the first of /v1/models)"
+    )
+    p.add_argument(
+        "--workload",
+        choices=("random", "nano-vllm"),
+        default=None,
+        help="random-length prompts of random token ids, or nano-vllm's offline draw (default: random)",
+    )
+    p.add_argument(
+        "--dataset", default=None, help="a JSONL file: one {prompt | messages, max_tokens?} per line"
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=positive_int,
+        default=None,
+        help="requests to send (default: random 1000, nano-vllm 256, dataset: every line)",
+    )
+    p.add_argument(
+        "--input-len", type=positive_int, default=None, help="prompt tokens (nano-vllm: upper end)"
+    )
+    p.add_argument(
+        "--output-len",
+        type=positive_int,
+        default=None,
+        help="max_tokens (nano-vllm: upper end; dataset: for lines without max_tokens)",
+    )
+    p.add_argument(
+        "--range-ratio", type=float, default=0.0, help="random: lengths uniform in [L*(1-r), L*(1+r)]"
+    )
+    p.add_argument(
+        "--request-rate",
+        type=request_rate,
+        default=math.inf,
+        help="mean requests per second of the Poisson arrivals, or inf to send all at once",
+    )
     p.add_argument("--max-concurrency", type=positive_int, default=None, help="requests in flight at most")
-    p.add_argument("--num-warmups", type=int, default=0,
-                   help="untimed requests first (random, nano-vllm: drawn with --seed + 1; dataset: its first lines)")
+    p.add_argument(
+        "--num-warmups",
+        type=int,
+        default=0,
+        help="untimed requests first (random, nano-vllm: drawn with --seed + 1; dataset: its first lines)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the workload draw and the arrival times")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature (nano-vllm: always 0.6, with ignore_eos)")
-    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every output is max_tokens long")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (nano-vllm: always 0.6, with ignore_eos)",
+    )
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="send ignore_eos so every output is max_tokens long"
+    )
     p.add_argument("--slo", default=None, help="goodput limits in ms, e.g. ttft:500,tpot:50 (also e2e)")
-    p.add_argument("--client-processes", type=positive_int, default=1,
-                   help="client processes to shard the requests over (one takes ~35,000 tok/s of CPU)")
+    p.add_argument(
+        "--client-processes",
+        type=positive_int,
+        default=1,
+        help="client processes to shard the requests over (one takes ~35,000 tok/s of CPU)",
+    )
     p.add_argument("--output-json", default=None, help="write every metric and per-request record here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -118,8 +159,10 @@ def _resolve_workload(args: argparse.Namespace) -> str:
         except OSError as e:
             raise BenchError(f"cannot write --output-json {args.output_json}: {e.strerror}") from None
     if args.client_processes > 1 and args.max_concurrency and args.client_processes > args.max_concurrency:
-        raise BenchError(f"--client-processes {args.client_processes} exceeds --max-concurrency "
-                         f"{args.max_concurrency}: each process needs at least one request in flight")
+        raise BenchError(
+            f"--client-processes {args.client_processes} exceeds --max-concurrency "
+            f"{args.max_concurrency}: each process needs at least one request in flight"
+        )
     return workload
 
 
@@ -143,9 +186,14 @@ def _run(args: argparse.Namespace) -> int:
         bodies = [_encode_body(args, model, r) for r in requests]
         _probe(http, ENDPOINT_PATHS[args.endpoint], bodies[0])
         # Warm-ups: the same shapes drawn with another seed, so no timed prompt is cached by them.
-        warmups = [] if not args.num_warmups else [
-            _encode_body(args, model, r) for r in _build_requests(http, args, workload, args.num_warmups,
-                                                                  args.seed + 1)]
+        warmups = (
+            []
+            if not args.num_warmups
+            else [
+                _encode_body(args, model, r)
+                for r in _build_requests(http, args, workload, args.num_warmups, args.seed + 1)
+            ]
+        )
 
     # Exponential gaps: a Poisson process; the first request goes at 0.
     rng = np.random.default_rng(args.seed)
@@ -154,16 +202,21 @@ def _run(args: argparse.Namespace) -> int:
     else:
         gaps = rng.exponential(1 / args.request_rate, len(bodies))
         arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])]).tolist()
-    shard = Shard(base + ENDPOINT_PATHS[args.endpoint], bodies, arrivals, list(range(len(bodies))),
-                  args.max_concurrency)
+    shard = Shard(
+        base + ENDPOINT_PATHS[args.endpoint], bodies, arrivals, list(range(len(bodies))), args.max_concurrency
+    )
 
-    print(f"minfer bench serve: {len(bodies)} requests ({workload}) to {shard.url}, model {model}, "
-          f"rate {args.request_rate:g}/s, max concurrency {args.max_concurrency or 'unlimited'}, "
-          f"{args.client_processes} client process(es)", flush=True)
+    print(
+        f"minfer bench serve: {len(bodies)} requests ({workload}) to {shard.url}, model {model}, "
+        f"rate {args.request_rate:g}/s, max concurrency {args.max_concurrency or 'unlimited'}, "
+        f"{args.client_processes} client process(es)",
+        flush=True,
+    )
     if warmups:
         print(f"{len(warmups)} warm-up requests (not timed)", flush=True)
-        run_shard(Shard(shard.url, warmups, [0.0] * len(warmups), list(range(len(warmups))),
-                        args.max_concurrency))
+        run_shard(
+            Shard(shard.url, warmups, [0.0] * len(warmups), list(range(len(warmups))), args.max_concurrency)
+        )
     bar = _progress_bar(len(bodies), disable=args.no_progress)
     if args.client_processes == 1:
         records = run_shard(shard, lambda r: bar.update())
@@ -176,12 +229,23 @@ def _run(args: argparse.Namespace) -> int:
     if errors:
         print(f"first error: {errors[0]}")
     if args.output_json:
-        config = {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()
-                  if k not in ("command", "bench_command")}
-        out = {"config": {**config, "workload": workload, "model": model, "url": shard.url,
-                          "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate},
-               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **summary,
-               "requests": [r.as_dict() for r in records]}
+        config = {
+            k: (None if isinstance(v, float) and math.isinf(v) else v)
+            for k, v in vars(args).items()
+            if k not in ("command", "bench_command")
+        }
+        out = {
+            "config": {
+                **config,
+                "workload": workload,
+                "model": model,
+                "url": shard.url,
+                "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+            },
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **summary,
+            "requests": [r.as_dict() for r in records],
+        }
         Path(args.output_json).write_text(json.dumps(out, indent=1))
     return 0 if summary["completed"] else 1
 
@@ -211,8 +275,9 @@ def _first_model(http, base: str) -> str:
     return data[0]["id"]
 
 
-def _build_requests(http, args: argparse.Namespace, workload: str, num_prompts: int | None,
-                    seed: int) -> list:
+def _build_requests(
+    http, args: argparse.Namespace, workload: str, num_prompts: int | None, seed: int
+) -> list:
     from minfer.bench.workloads import BenchRequest, WorkloadError, load_jsonl, nano_vllm_draw, random_draw
 
     base = args.base_url.rstrip("/")
@@ -231,11 +296,23 @@ def _build_requests(http, args: argparse.Namespace, workload: str, num_prompts: 
         else:
             # Special tokens (end of turn, ...) would change what the prompt means; leave them out.
             specials = "".join(info.get("added_special_tokens") or [])
-            special_ids = set(_get(http, "/tokenize", base, method="POST", json={
-                "prompt": specials, "add_special_tokens": False})["tokens"]) if specials else set()
+            special_ids = (
+                set(
+                    _get(
+                        http,
+                        "/tokenize",
+                        base,
+                        method="POST",
+                        json={"prompt": specials, "add_special_tokens": False},
+                    )["tokens"]
+                )
+                if specials
+                else set()
+            )
             vocab_ids = [t for t in range(vocab) if t not in special_ids]
-            requests = random_draw(num_prompts, args.input_len, args.output_len, args.range_ratio,
-                                   vocab_ids, seed)
+            requests = random_draw(
+                num_prompts, args.input_len, args.output_len, args.range_ratio, vocab_ids, seed
+            )
     except WorkloadError as e:
         raise BenchError(str(e)) from None
     if chat:  # chat takes text: the ids decoded by the server's own tokenizer
@@ -245,8 +322,14 @@ def _build_requests(http, args: argparse.Namespace, workload: str, num_prompts: 
 
 
 def _encode_body(args: argparse.Namespace, model: str, request) -> bytes:
-    body = {"model": model, "max_tokens": request.max_tokens, "temperature": args.temperature,
-            "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "max_tokens": request.max_tokens,
+        "temperature": args.temperature,
+        "ignore_eos": args.ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.endpoint == "chat":
         body["messages"] = request.messages or [{"role": "user", "content": request.prompt}]
     else:
@@ -269,20 +352,28 @@ def _probe(http, path: str, body: bytes) -> None:
 
 def format_report(s: dict) -> str:
     """The human-readable report: one metric per line."""
-    rows = [("Successful requests", f"{s['completed']}"), ("Failed requests", f"{s['failed']}"),
-            ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
-            ("Total input tokens", f"{s['prompt_tokens']}"), ("Total output tokens", f"{s['output_tokens']}"),
-            ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
-            ("Output token throughput (tok/s)", f"{s['output_throughput']:.1f}"),
-            ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.1f}"),
-            ("Chunk/usage token mismatches", f"{s['chunk_token_mismatches']}")]
+    rows = [
+        ("Successful requests", f"{s['completed']}"),
+        ("Failed requests", f"{s['failed']}"),
+        ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
+        ("Total input tokens", f"{s['prompt_tokens']}"),
+        ("Total output tokens", f"{s['output_tokens']}"),
+        ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{s['output_throughput']:.1f}"),
+        ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.1f}"),
+        ("Chunk/usage token mismatches", f"{s['chunk_token_mismatches']}"),
+    ]
     if "goodput" in s:
         limits = ", ".join(f"{k} <= {v:g} ms" for k, v in s["slo_ms"].items())
         rows.append((f"Goodput (req/s, {limits})", f"{s['goodput']:.2f} ({s['good_requests']} requests)"))
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
         d = s[key]
-        rows.append((f"{name} (ms) mean / p50 / p90 / p99",
-                     f"{d['mean']:.2f} / {d['p50']:.2f} / {d['p90']:.2f} / {d['p99']:.2f}"))
+        rows.append(
+            (
+                f"{name} (ms) mean / p50 / p90 / p99",
+                f"{d['mean']:.2f} / {d['p50']:.2f} / {d['p90']:.2f} / {d['p99']:.2f}",
+            )
+        )
     width = max(len(name) for name, _ in rows) + 2
     lines = ["=" * 20 + " minfer bench serve " + "=" * 20]
     lines += [f"{name + ':':<{width}}{value}" for name, value in rows]

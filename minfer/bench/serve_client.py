@@ -64,7 +64,9 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: bytes, index
     buffer = b""
     finished = False
     try:
-        async with client.stream("POST", url, content=body, headers={"content-type": "application/json"}) as resp:
+        async with client.stream(
+            "POST", url, content=body, headers={"content-type": "application/json"}
+        ) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 record.error = f"HTTP {resp.status_code}: {text[:300]}"
@@ -133,8 +135,9 @@ async def _run(shard: Shard, on_done: Callable[[RequestRecord], None]) -> list[R
 
     async def worker() -> None:
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=30.0),
-                                     verify=ssl_context) as client:
+        async with httpx.AsyncClient(
+            limits=limits, timeout=httpx.Timeout(None, connect=30.0), verify=ssl_context
+        ) as client:
             while (item := await queue.get()) is not None:
                 record = await stream_request(client, shard.url, item[2], item[1])
                 records.append(record)
@@ -163,17 +166,28 @@ def split(shard: Shard, processes: int) -> list[Shard]:
         limit = None
         if shard.max_concurrency:
             limit = shard.max_concurrency // processes + (k < shard.max_concurrency % processes)
-        out.append(Shard(shard.url, shard.bodies[k::processes], shard.arrivals[k::processes],
-                         shard.indexes[k::processes], limit))
+        out.append(
+            Shard(
+                shard.url,
+                shard.bodies[k::processes],
+                shard.arrivals[k::processes],
+                shard.indexes[k::processes],
+                limit,
+            )
+        )
     return out
 
 
-def run_sharded(shard: Shard, processes: int, on_done: Callable[[], None] = lambda: None) -> list[RequestRecord]:
+def run_sharded(
+    shard: Shard, processes: int, on_done: Callable[[], None] = lambda: None
+) -> list[RequestRecord]:
     """Send the run from `processes` client processes started together; records in index order."""
     ctx = multiprocessing.get_context("spawn")  # a clean interpreter: no inherited event loop or threads
     queue, go = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_shard_process, args=(part, k, queue, go), daemon=True)
-             for k, part in enumerate(split(shard, processes))]
+    procs = [
+        ctx.Process(target=_shard_process, args=(part, k, queue, go), daemon=True)
+        for k, part in enumerate(split(shard, processes))
+    ]
     for p in procs:
         p.start()
     records: list[RequestRecord] = []

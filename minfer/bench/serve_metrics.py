@@ -81,8 +81,11 @@ def distribution_ms(values_s: list[float]) -> dict[str, float]:
     if not values_s:
         return {"mean": 0.0, **{f"p{p}": 0.0 for p in PERCENTILES}, "max": 0.0}
     ms = np.asarray(values_s, dtype=np.float64) * 1000
-    return {"mean": float(ms.mean()), **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES},
-            "max": float(ms.max())}
+    return {
+        "mean": float(ms.mean()),
+        **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES},
+        "max": float(ms.max()),
+    }
 
 
 def summarize(records: list[RequestRecord], slo: dict[str, float]) -> dict:

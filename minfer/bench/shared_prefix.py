@@ -35,8 +35,12 @@ def make_workload(num_requests: int, system_len: int, question_len: int, vocab: 
 def run_shared_prefix_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     from minfer import LLM
 
-    if config.model and config.load_format == "auto" and "/" not in config.model and not config.model.endswith(
-            ".gguf"):
+    if (
+        config.model
+        and config.load_format == "auto"
+        and "/" not in config.model
+        and not config.model.endswith(".gguf")
+    ):
         config.load_format = "dummy"
     llm = LLM(**vars(config))
     vocab = min(llm.engine.vocab_size, 10000)
@@ -56,10 +60,16 @@ def run_shared_prefix_bench(config: EngineConfig, args: argparse.Namespace) -> i
     prompt_tokens = sum(map(len, prompts))
     queried, hits = cache.queried_tokens - queried0, cache.hit_tokens - hit0
     print(f"model {llm.engine.source.name} ({llm.engine.device}, {llm.engine.dtype}), cache {config.cache}")
-    print(f"requests {len(prompts)}: system prompt {args.system_len} + question {args.question_len} tokens, "
-          f"{args.output_len} output tokens each")
-    print(f"prefill tokens computed {c.prefill_tokens_computed} of {prompt_tokens} prompt tokens "
-          f"({100 * c.prefill_tokens_computed / prompt_tokens:.1f}%); prefix hits {hits}/{queried} queried")
-    print(f"wall {wall:.2f} s; {prompt_tokens / wall:,.0f} prompt tok/s, "
-          f"{len(prompts) * args.output_len / wall:,.0f} output tok/s")
+    print(
+        f"requests {len(prompts)}: system prompt {args.system_len} + question {args.question_len} tokens, "
+        f"{args.output_len} output tokens each"
+    )
+    print(
+        f"prefill tokens computed {c.prefill_tokens_computed} of {prompt_tokens} prompt tokens "
+        f"({100 * c.prefill_tokens_computed / prompt_tokens:.1f}%); prefix hits {hits}/{queried} queried"
+    )
+    print(
+        f"wall {wall:.2f} s; {prompt_tokens / wall:,.0f} prompt tok/s, "
+        f"{len(prompts) * args.output_len / wall:,.0f} output tok/s"
+    )
     return 0

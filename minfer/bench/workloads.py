@@ -24,8 +24,9 @@ class WorkloadError(ValueError):
     """A workload that cannot be built from the given flags or file; the message names the cause."""
 
 
-def nano_vllm_draw(num_requests: int = 256, input_len: int = 1024, output_len: int = 1024,
-                   seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def nano_vllm_draw(
+    num_requests: int = 256, input_len: int = 1024, output_len: int = 1024, seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
     """nano-vllm's / Mini-SGLang's offline workload: (prompts as token ids, max_tokens of each).
 
     random.seed(seed); for each request a prompt of randint(100, input_len) ids each randint(0, 10000),
@@ -34,7 +35,9 @@ def nano_vllm_draw(num_requests: int = 256, input_len: int = 1024, output_len: i
     """
     rng = random.Random(seed)
     lo_in, lo_out = min(100, input_len), min(100, output_len)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(lo_in, input_len))] for _ in range(num_requests)]
+    prompts = [
+        [rng.randint(0, 10000) for _ in range(rng.randint(lo_in, input_len))] for _ in range(num_requests)
+    ]
     max_tokens = [rng.randint(lo_out, output_len) for _ in range(num_requests)]
     return prompts, max_tokens
 
@@ -44,8 +47,14 @@ def check_range_ratio(range_ratio: float) -> None:
         raise WorkloadError(f"--range-ratio must be in [0, 1), got {range_ratio}")
 
 
-def random_draw(num_requests: int, input_len: int, output_len: int, range_ratio: float, vocab_ids: list[int],
-                seed: int = 0) -> list[BenchRequest]:
+def random_draw(
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab_ids: list[int],
+    seed: int = 0,
+) -> list[BenchRequest]:
     """Prompts of random token ids: lengths uniform in [L(1-r), L(1+r)] for L = input_len, output_len."""
     check_range_ratio(range_ratio)
     if input_len < 1 or output_len < 1:
@@ -53,7 +62,9 @@ def random_draw(num_requests: int, input_len: int, output_len: int, range_ratio:
     rng = random.Random(seed)
 
     def length(center: int) -> int:
-        return rng.randint(max(1, round(center * (1 - range_ratio))), max(1, round(center * (1 + range_ratio))))
+        return rng.randint(
+            max(1, round(center * (1 - range_ratio))), max(1, round(center * (1 + range_ratio)))
+        )
 
     out = []
     for _ in range(num_requests):
@@ -101,5 +112,8 @@ def load_jsonl(path: str | Path, default_max_tokens: int, chat: bool) -> list[Be
 
 
 def is_token_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    )

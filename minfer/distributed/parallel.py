@@ -61,7 +61,9 @@ class TPGroup:
         # dimension moves next to the last one: [size, ..., n] -> [..., size * n].
         gathered = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         _all_gather_flat(gathered, x.contiguous(), group=self.group)
-        return gathered.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+        return (
+            gathered.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+        )
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. the KV pool size each rank can afford)."""
@@ -128,8 +130,9 @@ def create_store(config, rank: int) -> dist.TCPStore:
     return dist.TCPStore(host, port, config.tp, is_master=False, timeout=timeout)
 
 
-def join_tp_group(config, rank: int, store: dist.TCPStore, device_type: str,
-                  check_peers: Callable[[], None] | None = None) -> TPGroup:
+def join_tp_group(
+    config, rank: int, store: dist.TCPStore, device_type: str, check_peers: Callable[[], None] | None = None
+) -> TPGroup:
     """Make this process rank `rank` of the TP group: meet the other ranks at the store, then
     create the device group and the control group. On rank 0, `check_peers` raises when a
     rank it started has died, instead of waiting for the rendezvous timeout."""
@@ -141,8 +144,10 @@ def join_tp_group(config, rank: int, store: dist.TCPStore, device_type: str,
             if check_peers is not None:
                 check_peers()
             if time.monotonic() > deadline:
-                raise TensorParallelError(f"only {store.add('minfer/joined', 0)} of {config.tp} tensor-parallel "
-                                          f"ranks joined within {RENDEZVOUS_TIMEOUT_S} s")
+                raise TensorParallelError(
+                    f"only {store.add('minfer/joined', 0)} of {config.tp} tensor-parallel "
+                    f"ranks joined within {RENDEZVOUS_TIMEOUT_S} s"
+                )
             time.sleep(0.02)
     local_rank = rank - layout.node_rank * layout.per_node
     if device_type == "cuda":
@@ -150,8 +155,9 @@ def join_tp_group(config, rank: int, store: dist.TCPStore, device_type: str,
     else:  # ranks of a node share its cores: N ranks each using every core would thrash
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.per_node))
     previous_hook = sys.excepthook
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank,
-                            world_size=config.tp)
+    dist.init_process_group(
+        "nccl" if device_type == "cuda" else "gloo", store=store, rank=rank, world_size=config.tp
+    )
     if getattr(previous_hook, "__name__", "") == "_distributed_excepthook":
         # torch wraps sys.excepthook on every init to prefix "[rank0]: " to each traceback line;
         # after N TP jobs in one process every line carried the prefix N times. Keep one.

@@ -41,8 +41,9 @@ class CudaGraphRunner:
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.out_loc = torch.full((self.max_bs,), self.scratch_slot, dtype=torch.int64, device=dev)
         # Row 0: page-table row per request; row 1: sequence length after this step.
-        self.meta = torch.tensor([[self.padding_row] * self.max_bs, [1] * self.max_bs], dtype=torch.int32,
-                                 device=dev)
+        self.meta = torch.tensor(
+            [[self.padding_row] * self.max_bs, [1] * self.max_bs], dtype=torch.int32, device=dev
+        )
         self.zeros = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
         self.cu = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -53,9 +54,16 @@ class CudaGraphRunner:
 
     def _context(self, bs: int) -> ForwardContext:
         meta = AttentionMetadata(
-            is_decode=True, table_idx=self.meta[0, :bs], prefix_lens=self.zeros[:bs], seq_lens=self.meta[1, :bs],
-            cu_extend_lens=self.cu[:bs + 1], page_table=self.engine.page_table.slots,
-            prefix_lens_cpu=[0] * bs, extend_lens_cpu=[1] * bs, max_extend_len=1)
+            is_decode=True,
+            table_idx=self.meta[0, :bs],
+            prefix_lens=self.zeros[:bs],
+            seq_lens=self.meta[1, :bs],
+            cu_extend_lens=self.cu[: bs + 1],
+            page_table=self.engine.page_table.slots,
+            prefix_lens_cpu=[0] * bs,
+            extend_lens_cpu=[1] * bs,
+            max_extend_len=1,
+        )
         return ForwardContext(meta, self.engine.kv_pool, self.engine.backend, self.out_loc[:bs])
 
     def _run(self, bs: int) -> torch.Tensor:
@@ -89,8 +97,14 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
-        log.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s using %.2f GiB", len(self.graphs),
-                 self.batch_sizes[0], self.max_bs, self.capture_seconds, self.memory_bytes / (1 << 30))
+        log.info(
+            "captured %d CUDA graphs (batch sizes %d..%d) in %.1f s using %.2f GiB",
+            len(self.graphs),
+            self.batch_sizes[0],
+            self.max_bs,
+            self.capture_seconds,
+            self.memory_bytes / (1 << 30),
+        )
 
     def release(self) -> None:
         """Free every captured graph. Graphs holding NCCL collectives keep their communicator
@@ -103,8 +117,14 @@ class CudaGraphRunner:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_bs
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
-               table_idx: list[int], prefix_lens: list[int]) -> torch.Tensor:
+    def replay(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_loc: torch.Tensor,
+        table_idx: list[int],
+        prefix_lens: list[int],
+    ) -> torch.Tensor:
         n = len(table_idx)
         bs = next(s for s in self.batch_sizes if s >= n)
         self.input_ids[:n].copy_(input_ids)
@@ -113,8 +133,11 @@ class CudaGraphRunner:
         if bs > n:  # stale slots from a larger batch must not receive padded rows' K/V
             self.out_loc[n:bs].fill_(self.scratch_slot)
         pad = bs - n
-        meta = to_device([table_idx + [self.padding_row] * pad, [p + 1 for p in prefix_lens] + [1] * pad],
-                         torch.int32, self.device)
+        meta = to_device(
+            [table_idx + [self.padding_row] * pad, [p + 1 for p in prefix_lens] + [1] * pad],
+            torch.int32,
+            self.device,
+        )
         self.meta[:, :bs].copy_(meta)
         self.graphs[bs].replay()
         return self.logits[:n]

@@ -115,7 +115,7 @@ class ForwardResult:
             rows = rows_of(LogprobTensors(*host[:3]))
             start = 0
             for index, first, count in self.prompt_spans:
-                prompt.append((index, first, rows[start:start + count]))
+                prompt.append((index, first, rows[start : start + count]))
                 start += count
         return sampled, prompt
 
@@ -147,13 +147,16 @@ class Engine:
         self.source = resolve_model(config.model, config.load_format)
         self.hf_config = load_hf_config(self.source)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
-        self.max_model_len = min(config.max_model_len or self.hf_config.max_position_embeddings,
-                                 self.hf_config.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or self.hf_config.max_position_embeddings,
+            self.hf_config.max_position_embeddings,
+        )
         self.vocab_size = self.hf_config.vocab_size
 
         memory_before = _device_memory_in_use(self.device)
-        self.model = build_model(self.source, self.hf_config, self.dtype, self.device, tp,
-                                 self.max_model_len, config.seed)
+        self.model = build_model(
+            self.source, self.hf_config, self.dtype, self.device, tp, self.max_model_len, config.seed
+        )
         self.tokenizer = load_tokenizer(self.source) if tp.rank == 0 else None
         self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
         self.backend = make_attention_backend(config.attention_backend, self.device)
@@ -161,13 +164,23 @@ class Engine:
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, head_dim_of(self.hf_config)
         self.kv_bytes_per_token = KVPool.bytes_per_token(
-            self.hf_config.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
+            self.hf_config.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype
+        )
         self.memory: MemoryBudget = plan_memory(self, memory_before)
-        self.max_running_requests = config.max_running_requests or default_max_running_requests(self.device.type)
+        self.max_running_requests = config.max_running_requests or default_max_running_requests(
+            self.device.type
+        )
         page = config.page_size
         num_slots = self.memory.kv_pool_tokens // page * page
-        self.kv_pool = KVPool(self.hf_config.num_hidden_layers, num_slots, self.num_kv_heads,
-                              self.head_dim, page, self.dtype, self.device)
+        self.kv_pool = KVPool(
+            self.hf_config.num_hidden_layers,
+            num_slots,
+            self.num_kv_heads,
+            self.head_dim,
+            page,
+            self.dtype,
+            self.device,
+        )
         self.page_table = PageTable(self.max_running_requests, self.max_model_len, self.device)
         self.page_table.point_padding_row_at(self.kv_pool.scratch_slot)
         self.graphs = None
@@ -212,15 +225,25 @@ class Engine:
             if is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
                 logits = self.graphs.replay(input_ids, positions_d, out_loc, table_idx, prefix_lens)
             else:
-                meta = build_metadata(table_idx, prefix_lens, list(batch.extend_lens), self.page_table.slots,
-                                      is_decode, self.device)
+                meta = build_metadata(
+                    table_idx,
+                    prefix_lens,
+                    list(batch.extend_lens),
+                    self.page_table.slots,
+                    is_decode,
+                    self.device,
+                )
                 ctx = ForwardContext(meta, self.kv_pool, self.backend, out_loc)
                 hidden = self.model(input_ids, positions_d, ctx)
                 if prompt_spans:
                     prompt_logprobs = self._prompt_logprobs(batch, hidden, prompt_spans)
                 if not sampled_rows:
-                    result = ForwardResult(torch.empty(0, dtype=torch.int64, device=self.device), [],
-                                           prompt_logprobs=prompt_logprobs, prompt_spans=prompt_spans)
+                    result = ForwardResult(
+                        torch.empty(0, dtype=torch.int64, device=self.device),
+                        [],
+                        prompt_logprobs=prompt_logprobs,
+                        prompt_spans=prompt_spans,
+                    )
                     result.start_copy()
                     return result
                 if not is_decode:
@@ -240,8 +263,13 @@ class Engine:
                 logits = apply_adjustments(logits, adjustments)  # raw_logits is a copy when needed
             if any(r.grammar is not None for r in chosen):
                 self.grammar_backend().apply(logits, [r.grammar for r in chosen])
-            st = SamplingTensors.build([r.params for r in chosen], [r.seed for r in chosen],
-                                       [r.device_len for r in chosen], self.vocab_size, self.device)
+            st = SamplingTensors.build(
+                [r.params for r in chosen],
+                [r.seed for r in chosen],
+                [r.device_len for r in chosen],
+                self.vocab_size,
+                self.device,
+            )
             next_tokens = sample(logits, st)
             sampled_logprobs = None
             if logprob_rows:
@@ -250,11 +278,18 @@ class Engine:
                 sampled_logprobs = reduce_logprobs(raw_logits, targets, k)
             # The sampled token becomes known on the device at position device_len, where the
             # next decode step's input gather finds it without a trip through the CPU.
-            where = to_device([[r.table_idx for r in chosen], [r.device_len for r in chosen]], torch.int64,
-                              self.device)
+            where = to_device(
+                [[r.table_idx for r in chosen], [r.device_len for r in chosen]], torch.int64, self.device
+            )
             self.page_table.scatter_tokens(where[0], where[1], next_tokens)
-        result = ForwardResult(next_tokens, sampled_rows, sampled_logprobs,
-                               [sampled_rows[j] for j in logprob_rows], prompt_logprobs, prompt_spans)
+        result = ForwardResult(
+            next_tokens,
+            sampled_rows,
+            sampled_logprobs,
+            [sampled_rows[j] for j in logprob_rows],
+            prompt_logprobs,
+            prompt_spans,
+        )
         result.start_copy()
         return result
 
@@ -279,8 +314,9 @@ class Engine:
                 spans.append((i, req.cached_len, end - req.cached_len))
         return spans
 
-    def _prompt_logprobs(self, batch: Batch, hidden: torch.Tensor,
-                         spans: list[tuple[int, int, int]]) -> LogprobTensors:
+    def _prompt_logprobs(
+        self, batch: Batch, hidden: torch.Tensor, spans: list[tuple[int, int, int]]
+    ) -> LogprobTensors:
         """Logits of the spans' hidden rows only, reduced to logprobs on the device."""
         offsets = [0]
         for n in batch.extend_lens:
@@ -290,7 +326,7 @@ class Engine:
             req = batch.reqs[i]
             start = offsets[i] + first - req.cached_len
             rows.extend(range(start, start + count))
-            targets.extend(req.token_ids[first + 1:first + 1 + count])
+            targets.extend(req.token_ids[first + 1 : first + 1 + count])
         index = to_device([rows, targets], torch.int64, self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index[0]))
         k = max(batch.reqs[i].params.prompt_logprobs for i, _, _ in spans)

@@ -53,5 +53,6 @@ class GrammarBackend:
         for i, matcher in enumerate(matchers):
             if matcher is not None:
                 matcher.fill_next_token_bitmask(bitmask, i)
-        self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                             vocab_size=self.vocab_size)
+        self.xgr.apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size
+        )

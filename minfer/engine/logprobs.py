@@ -35,15 +35,16 @@ def reduce_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> Logp
     """logits [R, V], targets [R] int64 -> the targets' logprobs and the top k of each row."""
     targets_out, values_out, ids_out = [], [], []
     for start in range(0, logits.shape[0], ROWS_PER_CHUNK):
-        logprobs = torch.log_softmax(logits[start:start + ROWS_PER_CHUNK].float(), dim=-1)
-        targets_out.append(logprobs.gather(1, targets[start:start + ROWS_PER_CHUNK, None]).squeeze(1))
+        logprobs = torch.log_softmax(logits[start : start + ROWS_PER_CHUNK].float(), dim=-1)
+        targets_out.append(logprobs.gather(1, targets[start : start + ROWS_PER_CHUNK, None]).squeeze(1))
         values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
         values_out.append(values)
         ids_out.append(ids)
     if not targets_out:
         empty = logits.new_empty((0,))
-        return LogprobTensors(empty, logits.new_empty((0, k)), torch.empty((0, k), dtype=torch.int64,
-                                                                             device=logits.device))
+        return LogprobTensors(
+            empty, logits.new_empty((0, k)), torch.empty((0, k), dtype=torch.int64, device=logits.device)
+        )
     return LogprobTensors(torch.cat(targets_out), torch.cat(values_out), torch.cat(ids_out))
 
 

@@ -46,17 +46,25 @@ class MemoryBudget:
         kv_gib = self.kv_pool_tokens * self.kv_bytes_per_token / GiB
         if self.device == "cpu" or self.overridden:
             how = "set by --kv-cache-tokens" if self.overridden else "CPU default"
-            return (f"memory: weights {self.weights_bytes / GiB:.2f} GiB; KV pool {self.kv_pool_tokens} tokens "
-                    f"x {self.kv_bytes_per_token} B/token = {kv_gib:.2f} GiB ({how}); "
-                    f"{full} concurrent requests at full context ({max_model_len} tokens)")
-        return (f"memory: total {self.total_bytes / GiB:.2f} GiB x mem_fraction {self.mem_fraction} "
-                f"- in use before {self.in_use_before_bytes / GiB:.2f} - weights {self.weights_bytes / GiB:.2f} "
-                f"- activations {self.activation_reserve_bytes / GiB:.2f} "
-                f"- cuda graphs {self.graph_reserve_bytes / GiB:.2f} = KV pool {kv_gib:.2f} GiB "
-                f"/ {self.kv_bytes_per_token} B/token = {self.kv_pool_tokens} tokens"
-                f"{f' (per rank; the least of {self.tp_size} TP ranks)' if self.tp_size > 1 else ''}; "
+            return (
+                f"memory: weights {self.weights_bytes / GiB:.2f} GiB; KV pool {self.kv_pool_tokens} tokens "
+                f"x {self.kv_bytes_per_token} B/token = {kv_gib:.2f} GiB ({how}); "
                 f"{full} concurrent requests at full context ({max_model_len} tokens)"
-                + (f"; graphs measured {self.graph_measured_bytes / GiB:.2f} GiB" if self.graph_measured_bytes else ""))
+            )
+        return (
+            f"memory: total {self.total_bytes / GiB:.2f} GiB x mem_fraction {self.mem_fraction} "
+            f"- in use before {self.in_use_before_bytes / GiB:.2f} - weights {self.weights_bytes / GiB:.2f} "
+            f"- activations {self.activation_reserve_bytes / GiB:.2f} "
+            f"- cuda graphs {self.graph_reserve_bytes / GiB:.2f} = KV pool {kv_gib:.2f} GiB "
+            f"/ {self.kv_bytes_per_token} B/token = {self.kv_pool_tokens} tokens"
+            f"{f' (per rank; the least of {self.tp_size} TP ranks)' if self.tp_size > 1 else ''}; "
+            f"{full} concurrent requests at full context ({max_model_len} tokens)"
+            + (
+                f"; graphs measured {self.graph_measured_bytes / GiB:.2f} GiB"
+                if self.graph_measured_bytes
+                else ""
+            )
+        )
 
 
 def _param_bytes(model: torch.nn.Module) -> int:
@@ -74,8 +82,9 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
     per_token = engine.kv_bytes_per_token
     if engine.device.type != "cuda":
         tokens = cfg.kv_cache_tokens or CPU_DEFAULT_KV_CACHE_TOKENS
-        return MemoryBudget("cpu", 0, 0, weights, 0, 0, cfg.mem_fraction, per_token, tokens,
-                            cfg.kv_cache_tokens is not None)
+        return MemoryBudget(
+            "cpu", 0, 0, weights, 0, 0, cfg.mem_fraction, per_token, tokens, cfg.kv_cache_tokens is not None
+        )
     total = torch.cuda.mem_get_info(engine.device)[1]
     activation = profile_activation_peak(engine)
     graphs = graph_reserve(engine)
@@ -86,11 +95,23 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
         if kv_bytes < per_token * engine.max_model_len // 8:
             raise RuntimeError(
                 f"not enough device memory for a KV pool: {kv_bytes / GiB:.2f} GiB left after weights "
-                f"and activations; raise --mem-fraction or lower --chunked-prefill-size / --max-model-len")
+                f"and activations; raise --mem-fraction or lower --chunked-prefill-size / --max-model-len"
+            )
         # Every TP rank must hold the same pool (their schedulers decide alike): the smallest.
         tokens = engine.tp.min_over_ranks(kv_bytes // per_token)
-    return MemoryBudget("cuda", total, in_use_before, weights, activation, graphs, cfg.mem_fraction, per_token,
-                        tokens, cfg.kv_cache_tokens is not None, tp_size=engine.tp.size)
+    return MemoryBudget(
+        "cuda",
+        total,
+        in_use_before,
+        weights,
+        activation,
+        graphs,
+        cfg.mem_fraction,
+        per_token,
+        tokens,
+        cfg.kv_cache_tokens is not None,
+        tp_size=engine.tp.size,
+    )
 
 
 def graph_reserve(engine) -> int:
@@ -116,8 +137,15 @@ def profile_activation_peak(engine) -> int:
     page = engine.config.page_size
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    pool = KVPool(engine.hf_config.num_hidden_layers, -(-n // page) * page, engine.num_kv_heads,
-                  engine.head_dim, page, engine.dtype, engine.device)
+    pool = KVPool(
+        engine.hf_config.num_hidden_layers,
+        -(-n // page) * page,
+        engine.num_kv_heads,
+        engine.head_dim,
+        page,
+        engine.dtype,
+        engine.device,
+    )
     pool_bytes = torch.cuda.memory_allocated() - base
     table = torch.arange(n, dtype=torch.int32, device=engine.device)[None, :]
     meta = build_metadata([0], [0], [n], table, False, engine.device)

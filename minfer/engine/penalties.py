@@ -41,8 +41,9 @@ class LogitAdjustments:
     ban_index: torch.Tensor | None = None  # [2, M] int64
 
 
-def build_adjustments(reqs: list[Req], page_table: PageTable, vocab_size: int,
-                      device: torch.device) -> LogitAdjustments | None:
+def build_adjustments(
+    reqs: list[Req], page_table: PageTable, vocab_size: int, device: torch.device
+) -> LogitAdjustments | None:
     """The adjustments for sampling one token of each request (rows in `reqs` order), or None."""
     penalised = [i for i, r in enumerate(reqs) if r.params.has_penalties]
     bias_rows, bias_tokens, bias_values = [], [], []
@@ -65,8 +66,16 @@ def build_adjustments(reqs: list[Req], page_table: PageTable, vocab_size: int,
     adj = LogitAdjustments()
     if penalised:
         chosen = [reqs[i] for i in penalised]
-        ints = to_device([penalised, [r.table_idx for r in chosen], [r.device_len for r in chosen],
-                          [r.prompt_len for r in chosen]], torch.int64, device)
+        ints = to_device(
+            [
+                penalised,
+                [r.table_idx for r in chosen],
+                [r.device_len for r in chosen],
+                [r.prompt_len for r in chosen],
+            ],
+            torch.int64,
+            device,
+        )
         rows, table_rows, lengths, prompt_lens = ints[0], ints[1], ints[2], ints[3]
         longest = max(r.device_len for r in chosen)
         history = page_table.tokens.index_select(0, table_rows)[:, :longest].long()  # [P, L]
@@ -77,10 +86,21 @@ def build_adjustments(reqs: list[Req], page_table: PageTable, vocab_size: int,
         counts.scatter_add_(1, history, in_output.float())
         seen = torch.zeros(len(chosen), vocab_size, dtype=torch.float32, device=device)
         seen.scatter_add_(1, history, known.float())
-        floats = to_device([[r.params.repetition_penalty for r in chosen], [r.params.frequency_penalty for r in chosen],
-                            [r.params.presence_penalty for r in chosen]], torch.float32, device)
+        floats = to_device(
+            [
+                [r.params.repetition_penalty for r in chosen],
+                [r.params.frequency_penalty for r in chosen],
+                [r.params.presence_penalty for r in chosen],
+            ],
+            torch.float32,
+            device,
+        )
         adj.penalty_rows, adj.output_counts, adj.seen = rows, counts, seen > 0
-        adj.repetition, adj.frequency, adj.presence = floats[0, :, None], floats[1, :, None], floats[2, :, None]
+        adj.repetition, adj.frequency, adj.presence = (
+            floats[0, :, None],
+            floats[1, :, None],
+            floats[2, :, None],
+        )
     if bias_rows:
         adj.bias_index = to_device([bias_rows, bias_tokens], torch.int64, device)
         adj.bias_values = to_device(bias_values, torch.float32, device)
@@ -101,6 +121,7 @@ def apply_adjustments(logits: torch.Tensor, adj: LogitAdjustments) -> torch.Tens
     if adj.bias_index is not None:
         logits.index_put_((adj.bias_index[0], adj.bias_index[1]), adj.bias_values, accumulate=True)
     if adj.ban_index is not None:
-        logits.index_put_((adj.ban_index[0], adj.ban_index[1]),
-                          torch.tensor(float("-inf"), device=logits.device))
+        logits.index_put_(
+            (adj.ban_index[0], adj.ban_index[1]), torch.tensor(float("-inf"), device=logits.device)
+        )
     return logits

@@ -35,15 +35,27 @@ class SamplingTensors:
     any_min_p: bool
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int], vocab_size: int,
-              device: torch.device) -> SamplingTensors:
+    def build(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        positions: list[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingTensors:
         temps = [0.0 if p.greedy else p.temperature for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-        floats = to_device([temps, [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
+        floats = to_device(
+            [temps, [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device
+        )
         ints = to_device([top_k, [s & _M32 for s in seeds], positions], torch.int64, device)
         return cls(
-            temperature=floats[0], top_p=floats[1], min_p=floats[2],
-            top_k=ints[0], seeds=ints[1], positions=ints[2],
+            temperature=floats[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            top_k=ints[0],
+            seeds=ints[1],
+            positions=ints[2],
             all_greedy=all(t == 0 for t in temps),
             any_top_k=any(k < vocab_size for k in top_k),
             any_top_p=any(p.top_p < 1 for p in params),

@@ -23,8 +23,12 @@ class IpcDir:
 
     def __init__(self):
         self.path = tempfile.mkdtemp(prefix="minfer-ipc-")
-        self._janitor = subprocess.Popen(["sh", "-c", _JANITOR, "minfer-ipc-janitor", self.path],
-                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True)
+        self._janitor = subprocess.Popen(
+            ["sh", "-c", _JANITOR, "minfer-ipc-janitor", self.path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            close_fds=True,
+        )
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

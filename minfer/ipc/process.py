@@ -42,5 +42,8 @@ def parent_alive(parent_pid: int) -> bool:
 
 def dead_workers(procs: dict) -> list[str]:
     """One line per started worker process that is no longer running."""
-    return [f"the {role} worker (pid {p.pid}) exited with code {p.exitcode}"
-            for role, p in procs.items() if p.pid is not None and not p.is_alive()]
+    return [
+        f"the {role} worker (pid {p.pid}) exited with code {p.exitcode}"
+        for role, p in procs.items()
+        if p.pid is not None and not p.is_alive()
+    ]

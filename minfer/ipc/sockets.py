@@ -25,8 +25,12 @@ class Endpoints:
 
     @classmethod
     def in_dir(cls, directory: str) -> Endpoints:
-        return cls(*(f"ipc://{os.path.join(directory, name)}"
-                     for name in ("api", "tokenizer", "scheduler", "detokenizer")))
+        return cls(
+            *(
+                f"ipc://{os.path.join(directory, name)}"
+                for name in ("api", "tokenizer", "scheduler", "detokenizer")
+            )
+        )
 
 
 def inbox(ctx: zmq.Context, address: str) -> zmq.Socket:

@@ -38,16 +38,32 @@ NUM_STAGES = 3
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    page_table_ptr, table_idx_ptr, seq_lens_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    page_table_ptr,
+    table_idx_ptr,
+    seq_lens_ptr,
     sm_scale_log2,
-    stride_qb, stride_qh,
-    stride_ks, stride_kh,
-    stride_vs, stride_vh,
-    stride_ob, stride_oh,
-    stride_page_row, num_splits,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIRECT_OUT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_oh,
+    stride_page_row,
+    num_splits,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -66,8 +82,11 @@ def _decode_split_kernel(
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
 
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -76,16 +95,38 @@ def _decode_split_kernel(
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     # The new token sees every cached key: bounds masking only, no causal mask (q_pos unused).
-    m_i, l_i, acc = attend_blocks(q, m_i, m_i, l_i, acc, page_row, k_head, v_head, stride_ks, stride_vs,
-                                  start, end, sm_scale_log2, offs_n, offs_d, d_mask, True, False, BLOCK_N)
+    m_i, l_i, acc = attend_blocks(
+        q,
+        m_i,
+        m_i,
+        l_i,
+        acc,
+        page_row,
+        k_head,
+        v_head,
+        stride_ks,
+        stride_vs,
+        start,
+        end,
+        sm_scale_log2,
+        offs_n,
+        offs_d,
+        d_mask,
+        True,
+        False,
+        BLOCK_N,
+    )
 
     # An empty slice (split past the end) has l_i = 0: its output is 0 and its lse -inf.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if DIRECT_OUT:  # a single split: no merge pass
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hd_mask)
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=hd_mask,
+        )
     else:
         # partials are contiguous [B, Hq, num_splits, HEAD_DIM] and [B, Hq, num_splits]
         lse_idx = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split
@@ -95,10 +136,16 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr,
-    stride_ob, stride_oh, num_splits,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -110,13 +157,19 @@ def _decode_merge_kernel(
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all: output 0, not NaN
     weights = tl.exp2(lse - lse_max)
     live = lse > float("-inf")  # empty splits are not even read
-    parts = tl.load(part_out_ptr + (base + offs_s)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
-                    mask=live[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    parts = tl.load(
+        part_out_ptr + (base + offs_s)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+        mask=live[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
     total = tl.sum(weights, 0)
     total = tl.where(total > 0, total, 1.0)
     o = tl.sum(parts * weights[:, None], 0) / total
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + b * stride_ob + head * stride_oh + offs_d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -132,9 +185,17 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, devi
     return max(1, min(want, MAX_SPLITS, triton.cdiv(max_context, BLOCK_N)))
 
 
-def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
-                     table_idx: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    table_idx: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of one new token per request over its cached keys [0, seq_lens[b]).
 
     q: [B, Hq, D]; k_pool, v_pool: [slots, Hk, D] (last dim contiguous); page_table: [rows, max_len]
@@ -161,32 +222,61 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if batch == 0:
         return out
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_pool, v_pool, out, part_out, part_lse,
-        page_table, table_idx, seq_lens,
+        q,
+        k_pool,
+        v_pool,
+        out,
+        part_out,
+        part_lse,
+        page_table,
+        table_idx,
+        seq_lens,
         scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_pool.stride(0), k_pool.stride(1),
-        v_pool.stride(0), v_pool.stride(1),
-        out.stride(0), out.stride(1),
-        page_table.stride(0), num_splits,
-        GROUP=group, HEAD_DIM=head_dim, DIRECT_OUT=num_splits == 1,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        out.stride(0),
+        out.stride(1),
+        page_table.stride(0),
+        num_splits,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        DIRECT_OUT=num_splits == 1,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=BLOCK_N,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
-            out, part_out, part_lse,
-            out.stride(0), out.stride(1), num_splits,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            out,
+            part_out,
+            part_lse,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
             num_warps=4,
         )
     return out
 
 
-def decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                               page_table: torch.Tensor, table_idx: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    table_idx: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The same computation in plain torch, request by request, accumulated in fp32."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_pool.shape[1]

@@ -33,16 +33,30 @@ NUM_STAGES = 2
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr,
-    page_table_ptr, table_idx_ptr, prefix_lens_ptr, seq_lens_ptr, cu_extend_lens_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    page_table_ptr,
+    table_idx_ptr,
+    prefix_lens_ptr,
+    seq_lens_ptr,
+    cu_extend_lens_ptr,
     sm_scale_log2,
-    stride_qt, stride_qh,
-    stride_ks, stride_kh,
-    stride_vs, stride_vh,
-    stride_ot, stride_oh,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     stride_page_row,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     block_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -63,8 +77,11 @@ def _extend_kernel(
     m_mask = offs_m < extend_len
     d_mask = offs_d < HEAD_DIM
     q_rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     q_pos = prefix + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -80,20 +97,70 @@ def _extend_kernel(
     unmasked_end = (prefix + block_m * BLOCK_M) // BLOCK_N * BLOCK_N
     end = tl.minimum(seq_len, prefix + (block_m + 1) * BLOCK_M)
     # Every row sees key 0, so after the first block the running maximum is finite in every row.
-    m_i, l_i, acc = attend_blocks(q, q_pos, m_i, l_i, acc, page_row, k_head, v_head, stride_ks, stride_vs,
-                                  0, unmasked_end, sm_scale_log2, offs_n, offs_d, d_mask, False, True, BLOCK_N)
-    m_i, l_i, acc = attend_blocks(q, q_pos, m_i, l_i, acc, page_row, k_head, v_head, stride_ks, stride_vs,
-                                  unmasked_end, end, sm_scale_log2, offs_n, offs_d, d_mask, True, True, BLOCK_N)
+    m_i, l_i, acc = attend_blocks(
+        q,
+        q_pos,
+        m_i,
+        l_i,
+        acc,
+        page_row,
+        k_head,
+        v_head,
+        stride_ks,
+        stride_vs,
+        0,
+        unmasked_end,
+        sm_scale_log2,
+        offs_n,
+        offs_d,
+        d_mask,
+        False,
+        True,
+        BLOCK_N,
+    )
+    m_i, l_i, acc = attend_blocks(
+        q,
+        q_pos,
+        m_i,
+        l_i,
+        acc,
+        page_row,
+        k_head,
+        v_head,
+        stride_ks,
+        stride_vs,
+        unmasked_end,
+        end,
+        sm_scale_log2,
+        offs_n,
+        offs_d,
+        d_mask,
+        True,
+        True,
+        BLOCK_N,
+    )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
 
 
-def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
-                     table_idx: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
-                     cu_extend_lens: torch.Tensor, max_extend_len: int, scale: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+def extend_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    table_idx: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_extend_lens: torch.Tensor,
+    max_extend_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of each request's new tokens over its keys [0, seq_lens[b]).
 
     q: [T, Hq, D] (last dim contiguous); k_pool, v_pool: [slots, Hk, D]; page_table: [rows, max_len]
@@ -116,24 +183,46 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     block_m, block_n = (BLOCK_M, BLOCK_N) if q.is_cuda else (16, 16)
     grid = (triton.cdiv(max_extend_len, block_m), batch, num_heads)
     _extend_kernel[grid](
-        q, k_pool, v_pool, out,
-        page_table, table_idx, prefix_lens, seq_lens, cu_extend_lens,
+        q,
+        k_pool,
+        v_pool,
+        out,
+        page_table,
+        table_idx,
+        prefix_lens,
+        seq_lens,
+        cu_extend_lens,
         scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_pool.stride(0), k_pool.stride(1),
-        v_pool.stride(0), v_pool.stride(1),
-        out.stride(0), out.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        out.stride(0),
+        out.stride(1),
         page_table.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=NUM_WARPS if q.is_cuda else 4, num_stages=NUM_STAGES,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=NUM_WARPS if q.is_cuda else 4,
+        num_stages=NUM_STAGES,
     )
     return out
 
 
-def extend_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                               page_table: torch.Tensor, table_idx: torch.Tensor, prefix_lens: torch.Tensor,
-                               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def extend_attention_reference(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    table_idx: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The same computation in plain torch, request by request, in fp32."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_pool.shape[1]
@@ -143,9 +232,9 @@ def extend_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         slots = page_table[row, :seq].long()
         k = k_pool[slots].float().repeat_interleave(group, dim=1)  # [S, Hq, D]
         v = v_pool[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("ehd,shd->hes", q[start:start + extend].float(), k) * scale
+        scores = torch.einsum("ehd,shd->hes", q[start : start + extend].float(), k) * scale
         visible = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out[start:start + extend] = torch.einsum("hes,shd->ehd", probs, v).to(q.dtype)
+        out[start : start + extend] = torch.einsum("hes,shd->ehd", probs, v).to(q.dtype)
         start += extend
     return out

@@ -38,9 +38,27 @@ def dot(a, b):
 
 
 @triton.jit
-def attend_blocks(q, q_pos, m_i, l_i, acc, page_row, k_head, v_head, stride_ks, stride_vs, start, end,
-                  sm_scale_log2, offs_n, offs_d, d_mask,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+def attend_blocks(
+    q,
+    q_pos,
+    m_i,
+    l_i,
+    acc,
+    page_row,
+    k_head,
+    v_head,
+    stride_ks,
+    stride_vs,
+    start,
+    end,
+    sm_scale_log2,
+    offs_n,
+    offs_d,
+    d_mask,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Online-softmax steps of q's rows over keys [start, end), gathered slot by slot through
     a page-table row; returns the updated (running max, running sum, accumulator), base 2.
 

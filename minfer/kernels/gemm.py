@@ -40,10 +40,25 @@ _MAX_TILES = 4096  # arrival counters per device: one per output tile of a split
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om, k_per_split, num_splits,
-    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    k_per_split,
+    num_splits,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -81,14 +96,20 @@ def _gemm_kernel(
                 part += M * N
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(
+                out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=out_mask,
+            )
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
 
 
 @functools.cache
@@ -119,8 +140,12 @@ def suits(rows: int, weight: torch.Tensor) -> bool:
     return rows <= MAX_ROWS and weight.numel() <= MAX_WEIGHT_ELEMENTS
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int, int] | None = None,
+) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N] in x's dtype, accumulated in fp32."""
     n, k = weight.shape
     if x.shape[-1] != k:
@@ -139,9 +164,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
     _gemm_kernel[grid](
-        x2, weight, bias if bias is not None else out, out, partials, _counters(x.device),
-        m, n, k, x2.stride(0), weight.stride(0), out.stride(0), k_per_split, split_k,
-        SPLIT=split_k > 1, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        x2,
+        weight,
+        bias if bias is not None else out,
+        out,
+        partials,
+        _counters(x.device),
+        m,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        k_per_split,
+        split_k,
+        SPLIT=split_k > 1,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
     )
     return out.reshape(*x.shape[:-1], n)

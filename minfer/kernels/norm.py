@@ -15,10 +15,20 @@ import triton.language as tl
 
 @triton.jit
 def _rmsnorm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
     eps,
-    inner_rows, stride_x0, stride_x1, stride_r0, stride_r1,
-    DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    inner_rows,
+    stride_x0,
+    stride_x1,
+    stride_r0,
+    stride_r1,
+    DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     # Rows of a [outer, inner, DIM] view; outputs are contiguous [rows, DIM].
     row = tl.program_id(0).to(tl.int64)
@@ -75,10 +85,20 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         r3 = x3
     if num_rows:
         _rmsnorm_kernel[(num_rows,)](
-            x3, r3, weight, out, residual_out if residual_out is not None else out,
+            x3,
+            r3,
+            weight,
+            out,
+            residual_out if residual_out is not None else out,
             eps,
-            x3.shape[1], x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-            DIM=dim, BLOCK=triton.next_power_of_2(dim), HAS_RESIDUAL=residual is not None,
+            x3.shape[1],
+            x3.stride(0),
+            x3.stride(1),
+            r3.stride(0),
+            r3.stride(1),
+            DIM=dim,
+            BLOCK=triton.next_power_of_2(dim),
+            HAS_RESIDUAL=residual is not None,
             num_warps=_num_warps(dim),
         )
     return out if residual is None else (out, residual_out)
@@ -88,8 +108,9 @@ def _num_warps(dim: int) -> int:
     return 1 if dim <= 256 else 4 if dim <= 2048 else 8
 
 
-def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                      residual: torch.Tensor | None = None):
+def rmsnorm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+):
     """minfer/layers/norm.py RMSNorm.forward, as a function."""
     if residual is not None:
         x = x + residual

@@ -25,9 +25,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rope_heads(x_ptr, token, stride_t, stride_h, weight_ptr, eps, cos, sin,
-                     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _norm_rope_heads(
+    x_ptr,
+    token,
+    stride_t,
+    stride_h,
+    weight_ptr,
+    eps,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """The [heads, head_dim] rows of one token, normalised and rotated, as two halves."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -49,12 +61,35 @@ def _norm_rope_heads(x_ptr, token, stride_t, stride_h, weight_ptr, eps, cos, sin
 
 @triton.jit
 def _rope_store_kernel(
-    q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
-    k_pool_ptr, v_pool_ptr, out_loc_ptr, eps,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-    stride_kps, stride_kph, stride_vps, stride_vph,
-    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    k_pool_ptr,
+    v_pool_ptr,
+    out_loc_ptr,
+    eps,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    stride_kps,
+    stride_kph,
+    stride_vps,
+    stride_vph,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -66,14 +101,40 @@ def _rope_store_kernel(
     cos = cos.to(tl.float32).to(dtype).to(tl.float32)[None, :]
     sin = sin.to(tl.float32).to(dtype).to(tl.float32)[None, :]
 
-    q1, q2, offs_h, offs_d, mask = _norm_rope_heads(q_ptr, token, stride_qt, stride_qh, q_weight_ptr, eps, cos,
-                                                    sin, NUM_Q_HEADS, HALF, HAS_NORM, BLOCK_QH, BLOCK_HALF)
+    q1, q2, offs_h, offs_d, mask = _norm_rope_heads(
+        q_ptr,
+        token,
+        stride_qt,
+        stride_qh,
+        q_weight_ptr,
+        eps,
+        cos,
+        sin,
+        NUM_Q_HEADS,
+        HALF,
+        HAS_NORM,
+        BLOCK_QH,
+        BLOCK_HALF,
+    )
     q_row = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
     tl.store(q_row, q1, mask=mask)
     tl.store(q_row + HALF, q2, mask=mask)
 
-    k1, k2, offs_h, offs_d, mask = _norm_rope_heads(k_ptr, token, stride_kt, stride_kh, k_weight_ptr, eps, cos,
-                                                    sin, NUM_KV_HEADS, HALF, HAS_NORM, BLOCK_KH, BLOCK_HALF)
+    k1, k2, offs_h, offs_d, mask = _norm_rope_heads(
+        k_ptr,
+        token,
+        stride_kt,
+        stride_kh,
+        k_weight_ptr,
+        eps,
+        cos,
+        sin,
+        NUM_KV_HEADS,
+        HALF,
+        HAS_NORM,
+        BLOCK_KH,
+        BLOCK_HALF,
+    )
     k_slot = k_pool_ptr + slot * stride_kps + offs_h[:, None] * stride_kph + offs_d[None, :]
     tl.store(k_slot, k1.to(k_pool_ptr.dtype.element_ty), mask=mask)
     tl.store(k_slot + HALF, k2.to(k_pool_ptr.dtype.element_ty), mask=mask)
@@ -84,10 +145,19 @@ def _rope_store_kernel(
     tl.store(v_slot + HALF, tl.load(v_row + HALF, mask=mask).to(v_pool_ptr.dtype.element_ty), mask=mask)
 
 
-def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-               cos_sin_cache: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out_loc: torch.Tensor,
-               q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-               eps: float = 0.0) -> torch.Tensor:
+def rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    out_loc: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
     """Normalise (when norm weights are given) and rotate q and k, rotate q in place, write the
     rotated k and v to `out_loc` of the pools. Returns q.
 
@@ -103,13 +173,21 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if k_pool.shape[1:] != k.shape[1:] or v_pool.shape[1:] != k.shape[1:]:
-        raise ValueError(f"pools {tuple(k_pool.shape)}, {tuple(v_pool.shape)} do not hold [Hk, D] = {tuple(k.shape[1:])}")
+        raise ValueError(
+            f"pools {tuple(k_pool.shape)}, {tuple(v_pool.shape)} do not hold [Hk, D] = {tuple(k.shape[1:])}"
+        )
     if cos_sin_cache.shape[-1] != head_dim or head_dim % 2:
         raise ValueError(f"cos_sin_cache rows hold {cos_sin_cache.shape[-1]} values, head dim is {head_dim}")
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q and k norm weights, or neither")
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_pool", k_pool), ("v_pool", v_pool),
-                    ("cos_sin_cache", cos_sin_cache)):
+    for name, t in (
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("k_pool", k_pool),
+        ("v_pool", v_pool),
+        ("cos_sin_cache", cos_sin_cache),
+    ):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim")
     if num_tokens == 0:
@@ -117,13 +195,34 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
     has_norm = q_norm_weight is not None
     half = head_dim // 2
     _rope_store_kernel[(num_tokens,)](
-        q, k, v, positions, cos_sin_cache,
-        q_norm_weight if has_norm else cos_sin_cache, k_norm_weight if has_norm else cos_sin_cache,
-        k_pool, v_pool, out_loc, eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
-        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_NORM=has_norm,
-        BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        q_norm_weight if has_norm else cos_sin_cache,
+        k_norm_weight if has_norm else cos_sin_cache,
+        k_pool,
+        v_pool,
+        out_loc,
+        eps,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos_sin_cache.stride(0),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=half,
+        HAS_NORM=has_norm,
+        BLOCK_QH=triton.next_power_of_2(num_q_heads),
+        BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
         num_warps=4,
     )

@@ -38,9 +38,19 @@ BLOCK = 1024
 
 
 @triton.jit
-def _gumbel_argmax_chunk_kernel(logits_ptr, stride_row, temperature_ptr, seeds_ptr, positions_ptr,
-                                best_val_ptr, best_idx_ptr, vocab_size, num_chunks,
-                                CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _gumbel_argmax_chunk_kernel(
+    logits_ptr,
+    stride_row,
+    temperature_ptr,
+    seeds_ptr,
+    positions_ptr,
+    best_val_ptr,
+    best_idx_ptr,
+    vocab_size,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Pass 1, grid (row, chunk): the best perturbed logit of one chunk of one row."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -84,8 +94,9 @@ def _pick_best_chunk_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_chunks, BLO
     tl.store(out_ptr + row, tl.load(best_idx_ptr + row * num_chunks + best).to(tl.int64))
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                  positions: torch.Tensor) -> torch.Tensor:
+def gumbel_argmax(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """logits [B, V] float32 (last dim contiguous) -> sampled token ids [B] int64."""
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
@@ -94,8 +105,20 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         best_val = torch.empty((batch, num_chunks), dtype=torch.float32, device=logits.device)
         best_idx = torch.empty((batch, num_chunks), dtype=torch.int32, device=logits.device)
         _gumbel_argmax_chunk_kernel[(batch, num_chunks)](
-            logits, logits.stride(0), temperature, seeds, positions, best_val, best_idx, vocab, num_chunks,
-            CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
-        _pick_best_chunk_kernel[(batch,)](best_val, best_idx, out, num_chunks,
-                                          BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1)
+            logits,
+            logits.stride(0),
+            temperature,
+            seeds,
+            positions,
+            best_val,
+            best_idx,
+            vocab,
+            num_chunks,
+            CHUNK=CHUNK,
+            BLOCK=BLOCK,
+            num_warps=4,
+        )
+        _pick_best_chunk_kernel[(batch,)](
+            best_val, best_idx, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1
+        )
     return out

@@ -57,7 +57,7 @@ class KVManager:
         """Give the request a row, its tokens on the device, and any cached prefix."""
         req.table_idx = self.page_table.take_row()
         req.device_len = len(req.token_ids)  # a resumed request continues from every known token
-        self.page_table.write_tokens(req.table_idx, 0, req.token_ids[:req.device_len])
+        self.page_table.write_tokens(req.table_idx, 0, req.token_ids[: req.device_len])
         # Leave at least one token to compute: its logits give the first sampled token. A request
         # that wants its prompt's logprobs computes the whole prompt (a cached prefix has no logits).
         known = req.device_len - 1
@@ -71,7 +71,9 @@ class KVManager:
             n = len(match.slots)
             self.page_table.write_slots([req.table_idx] * n, list(range(n)), match.slots)
 
-    def try_admit(self, req: Req, max_chunk: int, free_pages: int, reserve_pages: int) -> tuple[int, int] | None:
+    def try_admit(
+        self, req: Req, max_chunk: int, free_pages: int, reserve_pages: int
+    ) -> tuple[int, int] | None:
         """Admit `req` if its first chunk (at most `max_chunk` tokens) fits in `free_pages` with
         `reserve_pages` more kept for it; returns (chunk length, pages this admission costs).
 
@@ -117,7 +119,7 @@ class KVManager:
                 if start % ps:  # finish the request's partly filled last page first
                     last = int(self.page_table.slots_cpu[req.table_idx, start - 1]) + 1
                     req_slots.extend(range(last, last + min(ps - start % ps, n)))
-                for page in pages[used:used + need]:
+                for page in pages[used : used + need]:
                     req_slots.extend(range(page * ps, page * ps + ps))
                 used += need
                 slots.extend(req_slots[:n])
@@ -144,7 +146,9 @@ class KVManager:
         if match.slots == slots:
             return []
         changed = [i for i, (a, b) in enumerate(zip(slots, match.slots)) if a != b]
-        self.page_table.write_slots([req.table_idx] * len(changed), changed, [match.slots[i] for i in changed])
+        self.page_table.write_slots(
+            [req.table_idx] * len(changed), changed, [match.slots[i] for i in changed]
+        )
         return [(i, slots[i], match.slots[i]) for i in changed]
 
     def release(self, req: Req) -> list[int]:
@@ -192,32 +196,44 @@ class KVManager:
                 owners[page] = owner
 
         claim(self.allocator.free_page_ids, "the free list")
-        claim(self.prefix_cache.audit([r.cache_handle for r in holders if r.cache_handle is not None]),
-              "the prefix cache")
+        claim(
+            self.prefix_cache.audit([r.cache_handle for r in holders if r.cache_handle is not None]),
+            "the prefix cache",
+        )
         rows = set()
         for req in holders:
             if req.table_idx < 0 or req.table_idx in rows:
                 raise KVInvariantError(f"request {req.uid} holds row {req.table_idx}, invalid or shared")
             rows.add(req.table_idx)
-            if not req.shared_len <= req.cached_len <= self.page_table.max_len or req.shared_len % self.page_size:
-                raise KVInvariantError(f"request {req.uid}: shared_len {req.shared_len}, cached_len {req.cached_len}")
+            if (
+                not req.shared_len <= req.cached_len <= self.page_table.max_len
+                or req.shared_len % self.page_size
+            ):
+                raise KVInvariantError(
+                    f"request {req.uid}: shared_len {req.shared_len}, cached_len {req.cached_len}"
+                )
             row = self.page_table.row_slots(req.table_idx, req.cached_len).tolist()
-            if row[:req.shared_len] != self.prefix_cache.handle_slots(req.cache_handle):
-                raise KVInvariantError(f"request {req.uid}: its first {req.shared_len} slots are not the "
-                                       f"ones its prefix-cache lock holds")
-            own = row[req.shared_len:]
+            if row[: req.shared_len] != self.prefix_cache.handle_slots(req.cache_handle):
+                raise KVInvariantError(
+                    f"request {req.uid}: its first {req.shared_len} slots are not the "
+                    f"ones its prefix-cache lock holds"
+                )
+            own = row[req.shared_len :]
             pages = self.allocator.pages_of_slots(own)
             ps = self.page_size
-            if ps > 1 and own != [page * ps + i for page in pages for i in range(ps)][:len(own)]:
+            if ps > 1 and own != [page * ps + i for page in pages for i in range(ps)][: len(own)]:
                 raise KVInvariantError(f"request {req.uid}: its slots do not fill whole pages in order")
             claim(pages, f"request {req.uid}")
         if len(owners) != self.num_pages:
             lost = sorted(set(range(self.num_pages)) - set(owners))
             raise KVInvariantError(f"{len(lost)} pages are owned by no one (first: {lost[:5]})")
-        if self.page_table.num_free_rows + len(rows) != self.page_table.max_rows \
-                or rows & set(self.page_table.free_row_ids):
-            raise KVInvariantError(f"{len(rows)} rows held and {self.page_table.num_free_rows} free, "
-                                   f"of {self.page_table.max_rows}")
+        if self.page_table.num_free_rows + len(rows) != self.page_table.max_rows or rows & set(
+            self.page_table.free_row_ids
+        ):
+            raise KVInvariantError(
+                f"{len(rows)} rows held and {self.page_table.num_free_rows} free, "
+                f"of {self.page_table.max_rows}"
+            )
 
     @property
     def used_pages(self) -> int:

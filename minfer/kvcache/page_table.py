@@ -24,8 +24,9 @@ class PageTable:
         self.slots = torch.zeros((max_rows + 1, max_len), dtype=torch.int32, device=device)
         self.tokens = torch.zeros((max_rows + 1, max_len), dtype=torch.int32, device=device)
         # On a CPU device the mirror is the table itself.
-        self.slots_cpu = self.slots if device.type == "cpu" else torch.zeros((max_rows + 1, max_len),
-                                                                               dtype=torch.int32)
+        self.slots_cpu = (
+            self.slots if device.type == "cpu" else torch.zeros((max_rows + 1, max_len), dtype=torch.int32)
+        )
         self._free_rows = list(range(max_rows - 1, -1, -1))
 
     def point_padding_row_at(self, slot: int) -> None:
@@ -47,7 +48,7 @@ class PageTable:
         self._free_rows.append(row)
 
     def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
-        self.tokens[row, start:start + len(token_ids)] = to_device(token_ids, torch.int32, self.device)
+        self.tokens[row, start : start + len(token_ids)] = to_device(token_ids, torch.int32, self.device)
 
     # Tables are addressed through flat indices (row * max_len + position) with index_select /
     # index_copy_: on CPU, advanced indexing runs a parallel kernel whose thread wake-up costs

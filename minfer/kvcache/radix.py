@@ -98,7 +98,7 @@ class RadixCache:
             self.allocator.free(pages[keep:])
             freed += len(pages) - keep
             if keep:  # free no more than asked: drop the leaf's tail, its head stays cached
-                leaf.token_ids, leaf.slots = leaf.token_ids[:keep * ps], leaf.slots[:keep * ps]
+                leaf.token_ids, leaf.slots = leaf.token_ids[: keep * ps], leaf.slots[: keep * ps]
                 break
             parent = leaf.parent
             del parent.children[tuple(leaf.token_ids[:ps])]
@@ -122,23 +122,31 @@ class RadixCache:
         for node in self._nodes():
             seen += 1
             if not node.slots or len(node.slots) != len(node.token_ids) or len(node.slots) % ps:
-                raise KVInvariantError(f"a radix node holds {len(node.token_ids)} tokens and "
-                                       f"{len(node.slots)} slots (page size {ps})")
+                raise KVInvariantError(
+                    f"a radix node holds {len(node.token_ids)} tokens and "
+                    f"{len(node.slots)} slots (page size {ps})"
+                )
             node_pages = self.allocator.pages_of_slots(node.slots)
             for i, page in enumerate(node_pages):
-                if node.slots[i * ps:(i + 1) * ps] != list(range(page * ps, page * ps + ps)):
-                    raise KVInvariantError(f"radix node slots {node.slots[i * ps:(i + 1) * ps]} are not page {page}")
+                if node.slots[i * ps : (i + 1) * ps] != list(range(page * ps, page * ps + ps)):
+                    raise KVInvariantError(
+                        f"radix node slots {node.slots[i * ps : (i + 1) * ps]} are not page {page}"
+                    )
             if node.lock_count != expected_locks.get(id(node), 0):
-                raise KVInvariantError(f"a radix node has lock count {node.lock_count} but "
-                                       f"{expected_locks.get(id(node), 0)} requests hold it")
+                raise KVInvariantError(
+                    f"a radix node has lock count {node.lock_count} but "
+                    f"{expected_locks.get(id(node), 0)} requests hold it"
+                )
             if node.lock_count == 0:
                 evictable += len(node_pages)
             pages.extend(node_pages)
         if len(expected_locks) > seen:
             raise KVInvariantError("a request holds a lock on a node that is no longer in the tree")
         if (len(pages), evictable) != (self._cached_pages, self._evictable_pages):
-            raise KVInvariantError(f"the radix tree holds {len(pages)} pages ({evictable} evictable) but "
-                                   f"counts {self._cached_pages} ({self._evictable_pages} evictable)")
+            raise KVInvariantError(
+                f"the radix tree holds {len(pages)} pages ({evictable} evictable) but "
+                f"counts {self._cached_pages} ({self._evictable_pages} evictable)"
+            )
         return pages
 
     def handle_slots(self, handle: object | None) -> list[int]:
@@ -164,11 +172,12 @@ class RadixCache:
         the LRU order (the longest-prefix-match scheduling policy ranks waiting requests by it)."""
         ps = self.page_size
         node, matched = self._root, 0
-        while (child := node.children.get(tuple(token_ids[matched:matched + ps]))) is not None:
+        while (child := node.children.get(tuple(token_ids[matched : matched + ps]))) is not None:
             common = ps
             limit = min(len(child.token_ids), len(token_ids) - matched)
-            while common + ps <= limit and (child.token_ids[common:common + ps]
-                                            == token_ids[matched + common:matched + common + ps]):
+            while common + ps <= limit and (
+                child.token_ids[common : common + ps] == token_ids[matched + common : matched + common + ps]
+            ):
                 common += ps
             matched += common
             if common < len(child.token_ids):
@@ -187,11 +196,12 @@ class RadixCache:
         now = self._tick()
         node, matched, path = self._root, 0, []
         # A key shorter than a page (the partial tail) finds no child: tails never match.
-        while (child := node.children.get(tuple(token_ids[matched:matched + ps]))) is not None:
+        while (child := node.children.get(tuple(token_ids[matched : matched + ps]))) is not None:
             common = ps  # the key lookup already matched the first page
             limit = min(len(child.token_ids), len(token_ids) - matched)
-            while common + ps <= limit and (child.token_ids[common:common + ps]
-                                            == token_ids[matched + common:matched + common + ps]):
+            while common + ps <= limit and (
+                child.token_ids[common : common + ps] == token_ids[matched + common : matched + common + ps]
+            ):
                 common += ps
             if common < len(child.token_ids):
                 child = self._split(child, common)
@@ -207,9 +217,9 @@ class RadixCache:
         # Every lock on `node` runs through `upper` to the root, so it inherits the count;
         # the locked/unlocked split of pages is unchanged, as is evictable_pages.
         upper.lock_count = node.lock_count
-        node.parent.children[tuple(upper.token_ids[:self.page_size])] = upper
+        node.parent.children[tuple(upper.token_ids[: self.page_size])] = upper
         node.token_ids, node.slots = node.token_ids[at:], node.slots[at:]
-        upper.children[tuple(node.token_ids[:self.page_size])] = node
+        upper.children[tuple(node.token_ids[: self.page_size])] = node
         node.parent = upper
         return upper
 
@@ -217,8 +227,10 @@ class RadixCache:
         """Add the sequence; returns its last node and the tree's slots for all of it."""
         ps = self.page_size
         if len(token_ids) != len(slots) or len(token_ids) % ps:
-            raise ValueError(f"insert needs equal, page-aligned runs (page_size={ps}); "
-                             f"got {len(token_ids)} token ids and {len(slots)} slots")
+            raise ValueError(
+                f"insert needs equal, page-aligned runs (page_size={ps}); "
+                f"got {len(token_ids)} token ids and {len(slots)} slots"
+            )
         token_ids, slots = list(token_ids), [int(s) for s in slots]
         path = self._walk(token_ids)
         tree_slots = [s for node in path for s in node.slots]
@@ -226,8 +238,11 @@ class RadixCache:
         # The caller holds K/V for the part already cached. Pages it borrowed through `match`
         # are the tree's own (same page); the others it computed alongside another request
         # and are now duplicates, so they go back to the allocator.
-        duplicates = [own // ps for own, cached in zip(slots[:matched:ps], tree_slots[::ps])
-                      if own // ps != cached // ps]
+        duplicates = [
+            own // ps
+            for own, cached in zip(slots[:matched:ps], tree_slots[::ps])
+            if own // ps != cached // ps
+        ]
         self.allocator.free(duplicates)
         node = path[-1] if path else self._root
         if matched < len(token_ids):

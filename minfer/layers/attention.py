@@ -18,7 +18,7 @@ class PagedAttention(nn.Module):
         self.layer_id = layer_id
         self.num_heads = num_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
 
     def forward(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q: [T, Hq, D]. Returns [T, Hq * D]."""

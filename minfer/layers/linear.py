@@ -76,8 +76,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections in one matrix. Each rank holds num_heads/tp query heads and
     max(1, num_kv_heads/tp) KV heads; with fewer KV heads than ranks, KV heads are replicated."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp: TPGroup = SINGLE):
+    def __init__(
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp: TPGroup = SINGLE,
+    ):
         self.num_heads = _divide(num_heads, tp.size, "attention heads")
         if num_kv_heads >= tp.size:
             self.num_kv_heads = _divide(num_kv_heads, tp.size, "KV heads")

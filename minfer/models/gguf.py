@@ -105,16 +105,24 @@ def gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     reader = GGUFReader(path)
     float32_bytes = 4 * sum(int(t.n_elements) for t in reader.tensors)
     if float32_bytes > CACHE_MAX_WEIGHT_BYTES:
-        log.info("not caching converted weights of %s: %.1f GiB as float32 exceeds CACHE_MAX_WEIGHT_BYTES",
-                 path, float32_bytes / 2**30)
+        log.info(
+            "not caching converted weights of %s: %.1f GiB as float32 exceeds CACHE_MAX_WEIGHT_BYTES",
+            path,
+            float32_bytes / 2**30,
+        )
         yield from _convert_weights(reader)
         return
     start = time.perf_counter()
     weights = dict(_convert_weights(reader))
     seconds = time.perf_counter() - start
     if _publish(cache_dir(path), "weights", partial(_write_safetensors, weights)):
-        log.info("converted GGUF weights of %s in %.1f s and cached them as float32 (%.0f MiB) at %s",
-                 path, seconds, float32_bytes / 2**20, cached)
+        log.info(
+            "converted GGUF weights of %s in %.1f s and cached them as float32 (%.0f MiB) at %s",
+            path,
+            seconds,
+            float32_bytes / 2**20,
+            cached,
+        )
     for name in list(weights):  # hand over and forget each tensor, so the model holds the only copy
         yield name, weights.pop(name)
 
@@ -126,13 +134,18 @@ def gguf_tokenizer(path: str):
     cache = cache_dir(path)
     if not (cache / "tokenizer").exists():
         start = time.perf_counter()
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                  gguf_file=os.path.basename(path))
+        tokenizer = AutoTokenizer.from_pretrained(
+            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
+        )
         tokenizer.name_or_path = path
         if not _publish(cache, "tokenizer", tokenizer.save_pretrained):
             return tokenizer
-        log.info("built the tokenizer of %s in %.1f s and cached it at %s",
-                 path, time.perf_counter() - start, cache / "tokenizer")
+        log.info(
+            "built the tokenizer of %s in %.1f s and cached it at %s",
+            path,
+            time.perf_counter() - start,
+            cache / "tokenizer",
+        )
     tokenizer = AutoTokenizer.from_pretrained(cache / "tokenizer")
     tokenizer.name_or_path = path
     return tokenizer
@@ -237,14 +250,19 @@ def _llama3_rope_from_factors(factors: torch.Tensor, theta: float, rope_dim: int
     if int(medium.sum()) >= 2:
         smooth = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
         slope, intercept = np.polyfit((inv_freq[medium] / (2 * math.pi)).numpy(), smooth.numpy(), 1)
-        params.update(rope_type="llama3", factor=factor, low_freq_factor=1.0,
-                      high_freq_factor=float(f"{1 - 1 / intercept:.6g}"),
-                      original_max_position_embeddings=round(-slope / intercept))
+        params.update(
+            rope_type="llama3",
+            factor=factor,
+            low_freq_factor=1.0,
+            high_freq_factor=float(f"{1 - 1 / intercept:.6g}"),
+            original_max_position_embeddings=round(-slope / intercept),
+        )
         expected = inv_freq / factors
         if torch.allclose(inverse_frequencies(rope_dim, params).double(), expected, rtol=1e-4, atol=0):
             return params
-    raise ValueError(f"cannot express the GGUF's rope_freqs factors {factors.tolist()} "
-                     "as Llama 3 RoPE scaling")
+    raise ValueError(
+        f"cannot express the GGUF's rope_freqs factors {factors.tolist()} as Llama 3 RoPE scaling"
+    )
 
 
 def _dequantize(tensor) -> torch.Tensor:
@@ -253,8 +271,10 @@ def _dequantize(tensor) -> torch.Tensor:
     try:
         array = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
-        raise ValueError(f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which the gguf "
-                         "package cannot dequantize") from None
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which the gguf "
+            "package cannot dequantize"
+        ) from None
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-varying first
     # F32/F16 come back as read-only views of the memory-mapped file: copy them out.
     return torch.from_numpy(np.require(array, np.float32, ["C", "W", "O"]).reshape(shape))

@@ -39,13 +39,20 @@ def head_dim_of(cfg) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, layer_id: int, tp: TPGroup, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(
+        self, cfg, layer_id: int, tp: TPGroup, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+    ):
         super().__init__()
         d = head_dim_of(cfg)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, qkv_bias, tp)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, qkv_bias, tp
+        )
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, False, tp)
-        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            d,
+        )
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary  # one cos/sin table shared by all layers
@@ -59,9 +66,20 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if q.is_cuda:  # the same three steps as one kernel (four launches fewer per layer)
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
-            rope_store(q, k, v, positions, self.rotary.cos_sin, ctx.kv_pool.k[self.layer_id],
-                       ctx.kv_pool.v[self.layer_id], ctx.out_loc, *norms)
+            norms = (
+                (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+            )
+            rope_store(
+                q,
+                k,
+                v,
+                positions,
+                self.rotary.cos_sin,
+                ctx.kv_pool.k[self.layer_id],
+                ctx.kv_pool.v[self.layer_id],
+                ctx.out_loc,
+                *norms,
+            )
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -73,7 +91,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp
+        )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +101,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_id: int, tp: TPGroup, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(
+        self, cfg, layer_id: int, tp: TPGroup, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+    ):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, tp, rotary, qkv_bias, qk_norm)
         self.mlp = LlamaMLP(cfg, tp)
@@ -105,7 +127,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(head_dim_of(cfg), max_positions, rope_parameters(cfg))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, tp, rotary, qkv_bias, qk_norm) for i in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, i, tp, rotary, qkv_bias, qk_norm) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, ctx):
@@ -153,7 +176,9 @@ class LlamaForCausalLM(nn.Module):
                     name, shard = name.replace(fragment, fused), shard_id
                     break
             if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+                raise KeyError(
+                    f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}"
+                )
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             tensor = tensor.to(param.dtype)
@@ -168,4 +193,6 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             missing.discard("lm_head.weight")
         if missing:
-            raise KeyError(f"checkpoint lacks tensors for: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
+            raise KeyError(
+                f"checkpoint lacks tensors for: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}"
+            )

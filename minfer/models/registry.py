@@ -25,4 +25,5 @@ def model_class_for(hf_config):
         if arch in MODEL_CLASSES:
             return MODEL_CLASSES[arch]
     raise UnsupportedModelError(
-        f"unsupported architecture {archs or '(none in config.json)'}; minfer supports {sorted(MODEL_CLASSES)}")
+        f"unsupported architecture {archs or '(none in config.json)'}; minfer supports {sorted(MODEL_CLASSES)}"
+    )

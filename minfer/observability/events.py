@@ -66,75 +66,147 @@ _END_FIELDS = (
 )
 
 RECEIVED = EventSpec("received", API_SERVER, "the api server submitted the request")
-TOKENIZED = EventSpec("tokenized", TOKENIZER, "the tokenizer turned the prompt into ids",
-                      (Field("prompt_len", "tokens in the prompt"),))
+TOKENIZED = EventSpec(
+    "tokenized",
+    TOKENIZER,
+    "the tokenizer turned the prompt into ids",
+    (Field("prompt_len", "tokens in the prompt"),),
+)
 DETOKENIZED = EventSpec(
-    "detokenized", DETOKENIZER, "the detokenizer sent a reply",
-    (Field("text_len",
-           "characters of new text (0 while incomplete UTF-8 or a possible stop string is held back)"),
-     Field("completion_tokens", "tokens generated so far"),
-     Field("finish_reason", "`stop`, `length` or `abort` on the last reply, else null")))
+    "detokenized",
+    DETOKENIZER,
+    "the detokenizer sent a reply",
+    (
+        Field(
+            "text_len",
+            "characters of new text (0 while incomplete UTF-8 or a possible stop string is held back)",
+        ),
+        Field("completion_tokens", "tokens generated so far"),
+        Field("finish_reason", "`stop`, `length` or `abort` on the last reply, else null"),
+    ),
+)
 
-QUEUED = EventSpec("queued", SCHEDULER, "accepted into the waiting queue",
-                   (Field("prompt_len", "tokens in the prompt"),
-                    Field("max_tokens", "the most tokens it may generate")))
-KV_POOL = EventSpec("kv_pool", SCHEDULER, "the scheduler started (uid -1): the pool's geometry",
-                    (Field("num_slots", "KV slots in the pool, one per token"),
-                     Field("page_size", "slots per page")), replayed=False)
-RESUMED = EventSpec("resumed", SCHEDULER, "a preempted request is admitted again",
-                    _state("the state after the prefix match"))
+QUEUED = EventSpec(
+    "queued",
+    SCHEDULER,
+    "accepted into the waiting queue",
+    (Field("prompt_len", "tokens in the prompt"), Field("max_tokens", "the most tokens it may generate")),
+)
+KV_POOL = EventSpec(
+    "kv_pool",
+    SCHEDULER,
+    "the scheduler started (uid -1): the pool's geometry",
+    (Field("num_slots", "KV slots in the pool, one per token"), Field("page_size", "slots per page")),
+    replayed=False,
+)
+RESUMED = EventSpec(
+    "resumed", SCHEDULER, "a preempted request is admitted again", _state("the state after the prefix match")
+)
 PREFIX_MATCHED = EventSpec(
-    "prefix_matched", SCHEDULER, "admitted: got a page-table row and a prefix-cache lookup",
-    (Field("hit_tokens", "leading positions whose K/V the prefix cache held"),
-     Field("queried_tokens", "positions looked up, `device_len - 1` (one token is always computed)")))
+    "prefix_matched",
+    SCHEDULER,
+    "admitted: got a page-table row and a prefix-cache lookup",
+    (
+        Field("hit_tokens", "leading positions whose K/V the prefix cache held"),
+        Field("queried_tokens", "positions looked up, `device_len - 1` (one token is always computed)"),
+    ),
+)
 BATCH_SCHEDULED = EventSpec(
-    "batch_scheduled", SCHEDULER,
+    "batch_scheduled",
+    SCHEDULER,
     "the request is in the next pass; a batch's `batch_scheduled` events are consecutive",
-    (Field("phase", "`prefill` or `decode`"),
-     Field("batch_size", "requests in the pass"),
-     Field("chunk", "positions this request computes in it")))
+    (
+        Field("phase", "`prefill` or `decode`"),
+        Field("batch_size", "requests in the pass"),
+        Field("chunk", "positions this request computes in it"),
+    ),
+)
 KV_SLOTS_ALLOCATED = EventSpec(
-    "kv_slots_allocated", SCHEDULER, "right after its `batch_scheduled`: the pass's slots",
-    (*_state("the state before the pass"),
-     Field("num_slots", "slots for positions `[cached_len, cached_len + num_slots)`"),
-     Field("out_loc", "those slots, in position order"),
-     Field("table_idx", "the request's page-table row")))
+    "kv_slots_allocated",
+    SCHEDULER,
+    "right after its `batch_scheduled`: the pass's slots",
+    (
+        *_state("the state before the pass"),
+        Field("num_slots", "slots for positions `[cached_len, cached_len + num_slots)`"),
+        Field("out_loc", "those slots, in position order"),
+        Field("table_idx", "the request's page-table row"),
+    ),
+)
 REQUEST_STATE_UPDATED = EventSpec(
-    "request_state_updated", SCHEDULER,
+    "request_state_updated",
+    SCHEDULER,
     "the pass was launched: the lengths advance now, not when its tokens are read",
-    (Field("before", "`{cached_len, device_len, extend_len}` before the pass"),
-     Field("after", "the same after it")))
+    (
+        Field("before", "`{cached_len, device_len, extend_len}` before the pass"),
+        Field("after", "the same after it"),
+    ),
+)
 PROMPT_CACHED = EventSpec(
-    "prompt_cached", SCHEDULER,
+    "prompt_cached",
+    SCHEDULER,
     "right after the `request_state_updated` of the pass completing the prompt: its pages entered "
     "the prefix cache",
-    (Field("cached_len", "the request's `cached_len` after that pass"),
-     Field("repointed", "`[position, freed slot, cache slot]` per position another request cached first")),
-    replayed=False)
-FORWARD_DONE = EventSpec("forward_done", SCHEDULER, "the pass's results reached the CPU",
-                         (Field("phase", "the pass's phase"),))
-TOKEN_SAMPLED = EventSpec("token_sampled", SCHEDULER, "a new token",
-                          (Field("token_id", "the token"),
-                           Field("output_len", "tokens generated, this one included")))
-PREEMPTED = EventSpec("preempted", SCHEDULER,
-                      "sent back to the front of the queue, tokens kept; a `kv_released` follows",
-                      _state("the state when preempted"))
+    (
+        Field("cached_len", "the request's `cached_len` after that pass"),
+        Field("repointed", "`[position, freed slot, cache slot]` per position another request cached first"),
+    ),
+    replayed=False,
+)
+FORWARD_DONE = EventSpec(
+    "forward_done", SCHEDULER, "the pass's results reached the CPU", (Field("phase", "the pass's phase"),)
+)
+TOKEN_SAMPLED = EventSpec(
+    "token_sampled",
+    SCHEDULER,
+    "a new token",
+    (Field("token_id", "the token"), Field("output_len", "tokens generated, this one included")),
+)
+PREEMPTED = EventSpec(
+    "preempted",
+    SCHEDULER,
+    "sent back to the front of the queue, tokens kept; a `kv_released` follows",
+    _state("the state when preempted"),
+)
 KV_RELEASED = EventSpec(
-    "kv_released", SCHEDULER, "the request gave back every slot it held, positions `[0, allocated)` in order",
-    (Field("cached", "slots that went to the prefix cache"),
-     Field("freed", "slots that went back to the allocator"),
-     Field("cached_len", "what the request keeps as its `cached_len`")))
-FINISHED = EventSpec("finished", SCHEDULER, "the request ended",
-                     (Field("reason", "`stop` or `length`"), *_END_FIELDS))
-ABORTED = EventSpec("aborted", SCHEDULER,
-                    "the client went away, `/abort_request`, a stop string, or `scheduler.abort(uid)`",
-                    (Field("reason", "`abort`"), *_END_FIELDS))
+    "kv_released",
+    SCHEDULER,
+    "the request gave back every slot it held, positions `[0, allocated)` in order",
+    (
+        Field("cached", "slots that went to the prefix cache"),
+        Field("freed", "slots that went back to the allocator"),
+        Field("cached_len", "what the request keeps as its `cached_len`"),
+    ),
+)
+FINISHED = EventSpec(
+    "finished", SCHEDULER, "the request ended", (Field("reason", "`stop` or `length`"), *_END_FIELDS)
+)
+ABORTED = EventSpec(
+    "aborted",
+    SCHEDULER,
+    "the client went away, `/abort_request`, a stop string, or `scheduler.abort(uid)`",
+    (Field("reason", "`abort`"), *_END_FIELDS),
+)
 
 # Documentation order: front end first, then the scheduler's events in a request's order.
 EVENTS: tuple[EventSpec, ...] = (
-    RECEIVED, TOKENIZED, DETOKENIZED,
-    QUEUED, KV_POOL, RESUMED, PREFIX_MATCHED, BATCH_SCHEDULED, KV_SLOTS_ALLOCATED, REQUEST_STATE_UPDATED,
-    PROMPT_CACHED, FORWARD_DONE, TOKEN_SAMPLED, PREEMPTED, KV_RELEASED, FINISHED, ABORTED)
+    RECEIVED,
+    TOKENIZED,
+    DETOKENIZED,
+    QUEUED,
+    KV_POOL,
+    RESUMED,
+    PREFIX_MATCHED,
+    BATCH_SCHEDULED,
+    KV_SLOTS_ALLOCATED,
+    REQUEST_STATE_UPDATED,
+    PROMPT_CACHED,
+    FORWARD_DONE,
+    TOKEN_SAMPLED,
+    PREEMPTED,
+    KV_RELEASED,
+    FINISHED,
+    ABORTED,
+)
 BY_NAME: dict[str, EventSpec] = {spec.name: spec for spec in EVENTS}
 
 
@@ -189,9 +261,11 @@ def render_event_table(specs: list[EventSpec]) -> str:
 
 def render_doc_tables() -> list[str]:
     """docs/TRACE.md's generated tables, in the page's order: common fields, front end, scheduler."""
-    return [render_common_table(),
-            render_event_table([s for s in EVENTS if s.process != SCHEDULER]),
-            render_event_table([s for s in EVENTS if s.process == SCHEDULER])]
+    return [
+        render_common_table(),
+        render_event_table([s for s in EVENTS if s.process != SCHEDULER]),
+        render_event_table([s for s in EVENTS if s.process == SCHEDULER]),
+    ]
 
 
 # A generated table: its header row names `field` or `event` first, and it runs to a blank line.
@@ -211,7 +285,7 @@ def sync_doc(text: str) -> str:
         raise ValueError(f"the page holds {len(found)} schema table(s), the schema renders {len(rendered)}")
     pieces, last = [], 0
     for match, table in zip(found, rendered):
-        pieces += [text[last:match.start()], table + "\n"]
+        pieces += [text[last : match.start()], table + "\n"]
         last = match.end()
     return "".join(pieces) + text[last:]
 

@@ -26,11 +26,67 @@ log = logging.getLogger("minfer.stats")
 
 # How often the scheduler logs its stats line while it works (seconds of wall time).
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-               0.4, 0.5, 0.75, 1.0, 2.5)
-REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+REQUEST_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -128,6 +184,7 @@ class StatsLogger:
 
 def format_stats_line(now: dict, before: dict, elapsed_s: float) -> str | None:
     """Stats over `elapsed_s` between two `scheduler_stats` snapshots; None if no pass ran."""
+
     def delta(key: str) -> int:
         return now[key] - before[key]
 
@@ -138,11 +195,13 @@ def format_stats_line(now: dict, before: dict, elapsed_s: float) -> str | None:
     queried = delta("prefix_queried_tokens")
     hit_rate = f"{100 * delta('prefix_hit_tokens') / queried:.1f}%" if queried else "-"
     kv = now["kv_used_pages"] / max(1, now["kv_total_pages"])
-    return (f"running {now['running']} ({now['prefilling']} prefilling), queued {now['waiting']}, "
-            f"{tokens / passes:.1f} tokens/pass over {passes} passes, "
-            f"KV {100 * kv:.1f}% ({now['kv_used_pages']}/{now['kv_total_pages']} pages), "
-            f"prefix hit {hit_rate}, gen {delta('generation_tokens') / elapsed_s:.1f} tok/s, "
-            f"{delta('preemptions')} preemptions (last {elapsed_s:.1f} s)")
+    return (
+        f"running {now['running']} ({now['prefilling']} prefilling), queued {now['waiting']}, "
+        f"{tokens / passes:.1f} tokens/pass over {passes} passes, "
+        f"KV {100 * kv:.1f}% ({now['kv_used_pages']}/{now['kv_total_pages']} pages), "
+        f"prefix hit {hit_rate}, gen {delta('generation_tokens') / elapsed_s:.1f} tok/s, "
+        f"{delta('preemptions')} preemptions (last {elapsed_s:.1f} s)"
+    )
 
 
 # -- api server process --------------------------------------------------------------------------
@@ -162,18 +221,28 @@ class _SchedulerCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         s = self.stats
-        yield GaugeMetricFamily("minfer:num_requests_running", "Requests holding KV (prefilling or decoding).",
-                                value=s.get("running", 0))
-        yield GaugeMetricFamily("minfer:num_requests_waiting", "Requests waiting for admission (new or preempted).",
-                                value=s.get("waiting", 0))
-        yield GaugeMetricFamily("minfer:kv_cache_usage_perc", "Fraction of KV pages not available without "
-                                "preemption (1 = 100%).",
-                                value=s.get("kv_used_pages", 0) / max(1, s.get("kv_total_pages", 1)))
-        counters = (("prefix_cache_queries", "prefix_queried_tokens", "Prompt tokens looked up in the prefix cache."),
-                    ("prefix_cache_hits", "prefix_hit_tokens", "Prompt tokens found in the prefix cache."),
-                    ("prompt_tokens", "prompt_tokens", "Prompt tokens of accepted requests."),
-                    ("generation_tokens", "generation_tokens", "Tokens generated."),
-                    ("num_preemptions", "preemptions", "Requests preempted (KV given back, requeued)."))
+        yield GaugeMetricFamily(
+            "minfer:num_requests_running",
+            "Requests holding KV (prefilling or decoding).",
+            value=s.get("running", 0),
+        )
+        yield GaugeMetricFamily(
+            "minfer:num_requests_waiting",
+            "Requests waiting for admission (new or preempted).",
+            value=s.get("waiting", 0),
+        )
+        yield GaugeMetricFamily(
+            "minfer:kv_cache_usage_perc",
+            "Fraction of KV pages not available without preemption (1 = 100%).",
+            value=s.get("kv_used_pages", 0) / max(1, s.get("kv_total_pages", 1)),
+        )
+        counters = (
+            ("prefix_cache_queries", "prefix_queried_tokens", "Prompt tokens looked up in the prefix cache."),
+            ("prefix_cache_hits", "prefix_hit_tokens", "Prompt tokens found in the prefix cache."),
+            ("prompt_tokens", "prompt_tokens", "Prompt tokens of accepted requests."),
+            ("generation_tokens", "generation_tokens", "Tokens generated."),
+            ("num_preemptions", "preemptions", "Requests preempted (KV given back, requeued)."),
+        )
         for name, key, doc in counters:
             yield CounterMetricFamily(f"minfer:{name}", doc, value=s.get(key, 0))
 
@@ -185,16 +254,36 @@ class ServerMetrics:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry(auto_describe=True)
-        self.ttft = Histogram("minfer:time_to_first_token_seconds", "Time from submission to the first token.",
-                              buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("minfer:inter_token_latency_seconds", "Time between consecutive tokens of a request.",
-                             buckets=ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("minfer:e2e_request_latency_seconds", "Time from submission to the last reply.",
-                             buckets=REQUEST_BUCKETS, registry=self.registry)
-        self.queue_time = Histogram("minfer:request_queue_time_seconds", "Time in the scheduler's waiting queue "
-                                    "before admission.", buckets=REQUEST_BUCKETS, registry=self.registry)
-        self.success = Counter("minfer:request_success", "Requests finished, by finish reason.",
-                               ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram(
+            "minfer:time_to_first_token_seconds",
+            "Time from submission to the first token.",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "minfer:inter_token_latency_seconds",
+            "Time between consecutive tokens of a request.",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "minfer:e2e_request_latency_seconds",
+            "Time from submission to the last reply.",
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            "minfer:request_queue_time_seconds",
+            "Time in the scheduler's waiting queue before admission.",
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.success = Counter(
+            "minfer:request_success",
+            "Requests finished, by finish reason.",
+            ["finished_reason"],
+            registry=self.registry,
+        )
         for reason in FINISH_REASONS:
             self.success.labels(reason)  # present at 0 before the first request
         self.scheduler = _SchedulerCollector()

@@ -47,16 +47,24 @@ class SchedulerTrace(NullSchedulerTrace):
     def admitted(self, req: Req, resumed: bool) -> None:
         if resumed:
             self.tracer.emit(schema.RESUMED, req.uid, **req.state())
-        self.tracer.emit(schema.PREFIX_MATCHED, req.uid, hit_tokens=req.cached_len,
-                         queried_tokens=req.device_len - 1)
+        self.tracer.emit(
+            schema.PREFIX_MATCHED, req.uid, hit_tokens=req.cached_len, queried_tokens=req.device_len - 1
+        )
 
     def scheduled(self, batch: Batch) -> None:
         start = 0
         for req, n in zip(batch.reqs, batch.extend_lens):
-            self.tracer.emit(schema.BATCH_SCHEDULED, req.uid, phase=batch.phase.value, batch_size=batch.size,
-                             chunk=n)
-            self.tracer.emit(schema.KV_SLOTS_ALLOCATED, req.uid, **req.state(), num_slots=n,
-                             out_loc=slot_ranges(batch.out_loc[start:start + n]), table_idx=req.table_idx)
+            self.tracer.emit(
+                schema.BATCH_SCHEDULED, req.uid, phase=batch.phase.value, batch_size=batch.size, chunk=n
+            )
+            self.tracer.emit(
+                schema.KV_SLOTS_ALLOCATED,
+                req.uid,
+                **req.state(),
+                num_slots=n,
+                out_loc=slot_ranges(batch.out_loc[start : start + n]),
+                table_idx=req.table_idx,
+            )
             start += n
 
     def advanced(self, batch: Batch, moved: dict[int, list]) -> None:
@@ -67,8 +75,12 @@ class SchedulerTrace(NullSchedulerTrace):
             before["extend_len"] = before["device_len"] - before["cached_len"]
             self.tracer.emit(schema.REQUEST_STATE_UPDATED, req.uid, before=before, after=after)
             if req.uid in moved:
-                self.tracer.emit(schema.PROMPT_CACHED, req.uid, cached_len=req.cached_len,
-                                 repointed=[list(m) for m in moved[req.uid]])
+                self.tracer.emit(
+                    schema.PROMPT_CACHED,
+                    req.uid,
+                    cached_len=req.cached_len,
+                    repointed=[list(m) for m in moved[req.uid]],
+                )
 
     def forward_done(self, batch: Batch) -> None:
         for req in batch.reqs:
@@ -83,15 +95,25 @@ class SchedulerTrace(NullSchedulerTrace):
 
     def released(self, req: Req, slots: list[int], page_size: int) -> None:
         kept = (req.cached_len // page_size) * page_size
-        self.tracer.emit(schema.KV_RELEASED, req.uid, cached=slot_ranges(slots[:kept]),
-                         freed=slot_ranges(slots[kept:]), cached_len=req.cached_len)
+        self.tracer.emit(
+            schema.KV_RELEASED,
+            req.uid,
+            cached=slot_ranges(slots[:kept]),
+            freed=slot_ranges(slots[kept:]),
+            cached_len=req.cached_len,
+        )
 
     def ended(self, req: Req) -> None:
         event = schema.ABORTED if req.finish_reason == "abort" else schema.FINISHED
-        self.tracer.emit(event, req.uid, reason=req.finish_reason, prompt_len=req.prompt_len,
-                         output_len=req.output_len, **req.state())
+        self.tracer.emit(
+            event,
+            req.uid,
+            reason=req.finish_reason,
+            prompt_len=req.prompt_len,
+            output_len=req.output_len,
+            **req.state(),
+        )
 
 
 def scheduler_trace(tracer: RequestTracer) -> NullSchedulerTrace:
     return SchedulerTrace(tracer) if tracer.enabled else NullSchedulerTrace()
-

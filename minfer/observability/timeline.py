@@ -87,8 +87,14 @@ def build_timeline(events: list[dict]) -> Timeline:
 
     def close_batch() -> None:
         if batch:
-            steps.append(Step(batch[0]["ts"], batch[0].get("phase", "?"), len(batch),
-                              sum(e.get("chunk", 0) for e in batch)))
+            steps.append(
+                Step(
+                    batch[0]["ts"],
+                    batch[0].get("phase", "?"),
+                    len(batch),
+                    sum(e.get("chunk", 0) for e in batch),
+                )
+            )
             batch.clear()
 
     for ev in events:
@@ -162,35 +168,69 @@ def _pct(values: list[float], q: float) -> float:
 
 def format_summary(tl: Timeline) -> str:
     """One line per request, then distributions over all of them."""
-    header = ("uid", "prompt", "hit", "queue_ms", "prefill", "ttft_ms", "output", "decode", "itl_mean_ms",
-              "itl_max_ms", "e2e_ms", "preempt", "end")
+    header = (
+        "uid",
+        "prompt",
+        "hit",
+        "queue_ms",
+        "prefill",
+        "ttft_ms",
+        "output",
+        "decode",
+        "itl_mean_ms",
+        "itl_max_ms",
+        "e2e_ms",
+        "preempt",
+        "end",
+    )
     rows = [header]
-    reqs = sorted((r for r in tl.requests.values() if r.queued is not None), key=lambda r: (r.start or 0, r.uid))
+    reqs = sorted(
+        (r for r in tl.requests.values() if r.queued is not None), key=lambda r: (r.start or 0, r.uid)
+    )
     for r in reqs:
         gaps = r.gaps
         chunks = r.prefill_chunks
         prefill = f"{sum(n for _, n in chunks)}/{len(chunks)}" if chunks else "-"
-        rows.append((str(r.uid), str(r.prompt_len), "-" if r.hit_tokens is None else str(r.hit_tokens),
-                     _ms(r.queue_wait), prefill, _ms(r.ttft), str(r.output_len), str(r.decode_steps),
-                     _ms(statistics.fmean(gaps)) if gaps else "-", _ms(max(gaps)) if gaps else "-",
-                     _ms(r.e2e), str(len(r.preemptions)), r.end_reason or "(running)"))
+        rows.append(
+            (
+                str(r.uid),
+                str(r.prompt_len),
+                "-" if r.hit_tokens is None else str(r.hit_tokens),
+                _ms(r.queue_wait),
+                prefill,
+                _ms(r.ttft),
+                str(r.output_len),
+                str(r.decode_steps),
+                _ms(statistics.fmean(gaps)) if gaps else "-",
+                _ms(max(gaps)) if gaps else "-",
+                _ms(r.e2e),
+                str(len(r.preemptions)),
+                r.end_reason or "(running)",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-    lines.append("prefill = tokens computed / chunks; queue = queued -> admitted; ttft and e2e from "
-                 "received (or queued, offline); itl = gap between tokens read by the scheduler")
+    lines.append(
+        "prefill = tokens computed / chunks; queue = queued -> admitted; ttft and e2e from "
+        "received (or queued, offline); itl = gap between tokens read by the scheduler"
+    )
     ttft = [r.ttft for r in reqs if r.ttft is not None]
     e2e = [r.e2e for r in reqs if r.e2e is not None]
     gaps = [g for r in reqs for g in r.gaps]
     for name, values in (("ttft", ttft), ("itl", gaps), ("e2e", e2e)):
         if values:
-            lines.append(f"{name:>4}: mean {_ms(statistics.fmean(values))} ms, p50 {_ms(_pct(values, 0.5))} ms, "
-                         f"p99 {_ms(_pct(values, 0.99))} ms, max {_ms(max(values))} ms over {len(values)}")
+            lines.append(
+                f"{name:>4}: mean {_ms(statistics.fmean(values))} ms, p50 {_ms(_pct(values, 0.5))} ms, "
+                f"p99 {_ms(_pct(values, 0.99))} ms, max {_ms(max(values))} ms over {len(values)}"
+            )
     duration = tl.t1 - tl.t0
     tokens = sum(r.output_len for r in reqs)
     prefill_steps = sum(1 for s in tl.steps if s.phase == "prefill")
-    lines.append(f"{len(reqs)} requests, {tokens} tokens generated in {duration:.3f} s "
-                 f"({tokens / duration if duration > 0 else 0:.1f} tok/s); {len(tl.steps)} passes "
-                 f"({prefill_steps} prefill, {len(tl.steps) - prefill_steps} decode)")
+    lines.append(
+        f"{len(reqs)} requests, {tokens} tokens generated in {duration:.3f} s "
+        f"({tokens / duration if duration > 0 else 0:.1f} tok/s); {len(tl.steps)} passes "
+        f"({prefill_steps} prefill, {len(tl.steps) - prefill_steps} decode)"
+    )
     return "\n".join(lines)
 
 
@@ -219,12 +259,16 @@ def describe_event(ev: dict) -> str:
     if name == schema.TOKEN_SAMPLED.name:
         return f"token #{ev.get('output_len')} = {ev.get('token_id')}"
     if name == schema.DETOKENIZED.name:
-        return f"+{ev.get('text_len')} chars" + (f", {ev.get('finish_reason')}" if ev.get("finish_reason") else "")
+        return f"+{ev.get('text_len')} chars" + (
+            f", {ev.get('finish_reason')}" if ev.get("finish_reason") else ""
+        )
     if name in (schema.PREEMPTED.name, schema.RESUMED.name):
         return f"at c/d/e {lens(ev)}"
     if name == schema.KV_RELEASED.name:
+
         def fmt(key: str) -> str:
             return ", ".join(f"[{a},{b})" for a, b in ev.get(key, [])) or "none"
+
         return f"cached {fmt('cached')}; freed {fmt('freed')}; keeps {ev.get('cached_len')}"
     if name in (schema.FINISHED.name, schema.ABORTED.name):
         return f"{ev.get('reason')}: output_len {ev.get('output_len')}, final c/d/e {lens(ev)}"
@@ -237,12 +281,18 @@ def format_request(tl: Timeline, uid: int) -> str:
     if r is None or not r.events:
         raise KeyError(f"uid {uid} is not in the trace")
     start = r.start if r.start is not None else r.events[0].get("ts", 0.0)
-    lines = [f"request {uid}: prompt_len {r.prompt_len}, {r.output_len} token(s), end {r.end_reason or '(running)'}"]
+    lines = [
+        f"request {uid}: prompt_len {r.prompt_len}, {r.output_len} token(s), end {r.end_reason or '(running)'}"
+    ]
     for ev in r.events:
-        lines.append(f"{(ev.get('ts', start) - start) * 1000:10.3f} ms  {ev.get('event'):<22} {describe_event(ev)}")
+        lines.append(
+            f"{(ev.get('ts', start) - start) * 1000:10.3f} ms  {ev.get('event'):<22} {describe_event(ev)}"
+        )
     gaps = r.gaps
-    lines.append(f"queue {_ms(r.queue_wait)} ms, prefill {len(r.prefill_chunks)} chunk(s), ttft {_ms(r.ttft)} ms, "
-                 f"{r.decode_steps} decode step(s), itl mean {_ms(statistics.fmean(gaps)) if gaps else '-'} ms "
-                 f"max {_ms(max(gaps)) if gaps else '-'} ms, e2e {_ms(r.e2e)} ms, "
-                 f"{len(r.preemptions)} preemption(s)")
+    lines.append(
+        f"queue {_ms(r.queue_wait)} ms, prefill {len(r.prefill_chunks)} chunk(s), ttft {_ms(r.ttft)} ms, "
+        f"{r.decode_steps} decode step(s), itl mean {_ms(statistics.fmean(gaps)) if gaps else '-'} ms "
+        f"max {_ms(max(gaps)) if gaps else '-'} ms, e2e {_ms(r.e2e)} ms, "
+        f"{len(r.preemptions)} preemption(s)"
+    )
     return "\n".join(lines)

@@ -74,7 +74,7 @@ class RequestTracer:
             if lines:
                 data = ("\n".join(lines) + "\n").encode()
                 while data:  # a regular file takes it in one write; loop in case it does not
-                    data = data[os.write(self._fd, data):]
+                    data = data[os.write(self._fd, data) :]
 
     def flush(self) -> None:
         """Write whatever is queued now (from the calling thread; the writer may be mid-batch)."""

@@ -9,15 +9,21 @@ import sys
 def add_trace_parser(sub) -> None:
     trace = sub.add_parser("trace", help="check, show or plot a request trace (--trace-requests FILE)")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
-    check = trace_sub.add_parser("check", help="verify every request's events against the KV/state invariants")
+    check = trace_sub.add_parser(
+        "check", help="verify every request's events against the KV/state invariants"
+    )
     check.add_argument("file")
     check.add_argument("--errors", type=int, default=3, help="errors shown per failed request")
-    show = trace_sub.add_parser("show", help="per-request timeline: queue, prefill chunks, TTFT, decode, gaps")
+    show = trace_sub.add_parser(
+        "show", help="per-request timeline: queue, prefill chunks, TTFT, decode, gaps"
+    )
     show.add_argument("file")
     show.add_argument("--uid", type=int, default=None, help="every event of this request")
     plot = trace_sub.add_parser("plot", help="Gantt of requests with KV slots held and batch size beneath")
     plot.add_argument("file")
-    plot.add_argument("-o", "--output", required=True, help="out.html (self-contained) or out.png (matplotlib)")
+    plot.add_argument(
+        "-o", "--output", required=True, help="out.html (self-contained) or out.png (matplotlib)"
+    )
     plot.add_argument("--kv-pool-tokens", type=int, default=None, help="draw the KV pool size as a line")
 
 

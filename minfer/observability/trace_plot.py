@@ -17,8 +17,14 @@ import os
 
 from minfer.observability.timeline import Timeline, build_timeline
 
-COLORS = {"waiting": "#c8c8c8", "prefill": "#f39c12", "decode": "#2e86de", "preempted": "#e74c3c",
-          "kv": "#8e44ad", "pool": "#555555"}
+COLORS = {
+    "waiting": "#c8c8c8",
+    "prefill": "#f39c12",
+    "decode": "#2e86de",
+    "preempted": "#e74c3c",
+    "kv": "#8e44ad",
+    "pool": "#555555",
+}
 WIDTH, LEFT, RIGHT = 1100, 70, 20
 GANTT_MAX_HEIGHT, PANEL_HEIGHT, GAP = 600, 140, 30
 
@@ -30,9 +36,11 @@ def plot_trace(events: list[dict], out_path: str, pool_tokens: int | None = None
     if ext in (".html", ".htm"):
         body = render_svg(tl, pool_tokens)
         title = f"minfer trace: {sum(1 for r in tl.requests.values() if r.queued is not None)} requests"
-        doc = (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-               "<style>body{font-family:sans-serif;margin:16px}svg text{font-size:11px}</style></head>\n"
-               f"<body><h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n")
+        doc = (
+            f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            "<style>body{font-family:sans-serif;margin:16px}svg text{font-size:11px}</style></head>\n"
+            f"<body><h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n"
+        )
         with open(out_path, "w") as f:
             f.write(doc)
     elif ext == ".svg":
@@ -51,7 +59,9 @@ class _Svg:
 
     def add(self, tag: str, text: str | None = None, title: str | None = None, **attrs) -> None:
         a = " ".join(f'{k.rstrip("_").replace("_", "-")}="{html.escape(str(v))}"' for k, v in attrs.items())
-        inner = (f"<title>{html.escape(title)}</title>" if title else "") + (html.escape(text) if text else "")
+        inner = (f"<title>{html.escape(title)}</title>" if title else "") + (
+            html.escape(text) if text else ""
+        )
         self.parts.append(f"<{tag} {a}>{inner}</{tag}>" if inner else f"<{tag} {a}/>")
 
 
@@ -115,27 +125,61 @@ def render_svg(tl: Timeline, pool_tokens: int | None = None) -> str:
         end = r.end if r.end is not None else t1
         admitted = r.admitted if r.admitted is not None else end
         first = r.first_token if r.first_token is not None else end
-        title = (f"uid {r.uid}: prompt {r.prompt_len}, hit {r.hit_tokens}, {r.output_len} tokens, "
-                 f"queue {_ms(r.queue_wait)} ms, ttft {_ms(r.ttft)} ms, e2e {_ms(r.e2e)} ms, {r.end_reason}")
+        title = (
+            f"uid {r.uid}: prompt {r.prompt_len}, hit {r.hit_tokens}, {r.output_len} tokens, "
+            f"queue {_ms(r.queue_wait)} ms, ttft {_ms(r.ttft)} ms, e2e {_ms(r.e2e)} ms, {r.end_reason}"
+        )
         segments = [("waiting", r.queued, admitted), ("prefill", admitted, first), ("decode", first, end)]
         for name, a, b in segments:
             if b > a:
-                svg.add("rect", title=title, x=f"{x(a):.2f}", y=f"{y:.2f}", width=f"{max(0.5, x(b) - x(a)):.2f}",
-                        height=f"{max(0.8, row_h - 1):.2f}", fill=COLORS[name])
+                svg.add(
+                    "rect",
+                    title=title,
+                    x=f"{x(a):.2f}",
+                    y=f"{y:.2f}",
+                    width=f"{max(0.5, x(b) - x(a)):.2f}",
+                    height=f"{max(0.8, row_h - 1):.2f}",
+                    fill=COLORS[name],
+                )
         for a, b in r.preemptions:
             b = b if b is not None else end
-            svg.add("rect", title=f"uid {r.uid} preempted", x=f"{x(a):.2f}", y=f"{y:.2f}",
-                    width=f"{max(0.5, x(b) - x(a)):.2f}", height=f"{max(0.8, row_h - 1):.2f}",
-                    fill=COLORS["preempted"], fill_opacity=0.7)
+            svg.add(
+                "rect",
+                title=f"uid {r.uid} preempted",
+                x=f"{x(a):.2f}",
+                y=f"{y:.2f}",
+                width=f"{max(0.5, x(b) - x(a)):.2f}",
+                height=f"{max(0.8, row_h - 1):.2f}",
+                fill=COLORS["preempted"],
+                fill_opacity=0.7,
+            )
         if r.end_reason == "abort":
-            svg.add("text", "x", title=f"uid {r.uid} aborted", x=f"{x(end) + 2:.2f}", y=f"{y + row_h:.2f}",
-                    fill=COLORS["preempted"])
-    svg.add("text", f"requests ({len(reqs)})", x=4, y=20 + gantt_h / 2, transform=f"rotate(-90 12 {20 + gantt_h / 2})")
+            svg.add(
+                "text",
+                "x",
+                title=f"uid {r.uid} aborted",
+                x=f"{x(end) + 2:.2f}",
+                y=f"{y + row_h:.2f}",
+                fill=COLORS["preempted"],
+            )
+    svg.add(
+        "text",
+        f"requests ({len(reqs)})",
+        x=4,
+        y=20 + gantt_h / 2,
+        transform=f"rotate(-90 12 {20 + gantt_h / 2})",
+    )
     # KV held.
     kv_points = [(t0, 0), *tl.kv_held]
     kv_max = max([v for _, v in kv_points] + [pool_tokens or 0, 1])
-    _panel(svg, kv_top, f"KV slots held (max {max(v for _, v in kv_points)}"
-           + (f" of {pool_tokens}" if pool_tokens else "") + ")", kv_max)
+    _panel(
+        svg,
+        kv_top,
+        f"KV slots held (max {max(v for _, v in kv_points)}"
+        + (f" of {pool_tokens}" if pool_tokens else "")
+        + ")",
+        kv_max,
+    )
     pts = _thin(kv_points, x, plot_w)
     path = []
     for t, v in pts:  # a step line: hold the value until the next change
@@ -145,8 +189,15 @@ def render_svg(tl: Timeline, pool_tokens: int | None = None) -> str:
     svg.add("path", d=" ".join(path), fill="none", stroke=COLORS["kv"], stroke_width=1.5)
     if pool_tokens:
         py = kv_top + PANEL_HEIGHT - pool_tokens / kv_max * PANEL_HEIGHT
-        svg.add("line", x1=LEFT, x2=LEFT + plot_w, y1=f"{py:.2f}", y2=f"{py:.2f}", stroke=COLORS["pool"],
-                stroke_dasharray="4 3")
+        svg.add(
+            "line",
+            x1=LEFT,
+            x2=LEFT + plot_w,
+            y1=f"{py:.2f}",
+            y2=f"{py:.2f}",
+            stroke=COLORS["pool"],
+            stroke_dasharray="4 3",
+        )
     # Batch size.
     batch_max = max([s.batch_size for s in tl.steps] + [1])
     _panel(svg, batch_top, f"batch size (prefill orange, decode blue; {len(tl.steps)} passes)", batch_max)
@@ -154,16 +205,32 @@ def render_svg(tl: Timeline, pool_tokens: int | None = None) -> str:
         pts = _thin([(s.ts, s.batch_size) for s in tl.steps if s.phase == phase], x, plot_w)
         for t, v in pts:
             vy = batch_top + PANEL_HEIGHT - v / batch_max * PANEL_HEIGHT
-            svg.add("line", x1=f"{x(t):.2f}", x2=f"{x(t):.2f}", y1=batch_top + PANEL_HEIGHT, y2=f"{vy:.2f}",
-                    stroke=COLORS[phase], stroke_width=1)
-    head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0f}" '
-            f'viewBox="0 0 {WIDTH} {height:.0f}">')
+            svg.add(
+                "line",
+                x1=f"{x(t):.2f}",
+                x2=f"{x(t):.2f}",
+                y1=batch_top + PANEL_HEIGHT,
+                y2=f"{vy:.2f}",
+                stroke=COLORS[phase],
+                stroke_width=1,
+            )
+    head = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0f}" '
+        f'viewBox="0 0 {WIDTH} {height:.0f}">'
+    )
     return head + "\n" + "\n".join(svg.parts) + "\n</svg>"
 
 
 def _panel(svg: _Svg, top: float, label: str, vmax: float) -> None:
-    svg.add("rect", x=LEFT, y=f"{top:.2f}", width=WIDTH - LEFT - RIGHT, height=PANEL_HEIGHT, fill="none",
-            stroke="#999999")
+    svg.add(
+        "rect",
+        x=LEFT,
+        y=f"{top:.2f}",
+        width=WIDTH - LEFT - RIGHT,
+        height=PANEL_HEIGHT,
+        fill="none",
+        stroke="#999999",
+    )
     svg.add("text", label, x=LEFT + 4, y=f"{top - 4:.2f}")
     svg.add("text", f"{vmax:g}", x=4, y=f"{top + 10:.2f}")
     svg.add("text", "0", x=4, y=f"{top + PANEL_HEIGHT:.2f}")
@@ -178,20 +245,26 @@ def render_png(tl: Timeline, out_path: str, pool_tokens: int | None = None) -> N
     try:
         import matplotlib
     except ImportError:
-        raise RuntimeError("PNG output needs matplotlib (pip install matplotlib); "
-                           "HTML output (-o FILE.html) needs nothing") from None
+        raise RuntimeError(
+            "PNG output needs matplotlib (pip install matplotlib); HTML output (-o FILE.html) needs nothing"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     reqs = sorted((r for r in tl.requests.values() if r.queued is not None), key=lambda r: (r.start, r.uid))
     t0 = tl.t0
-    fig, (ax_g, ax_kv, ax_b) = plt.subplots(3, 1, sharex=True, figsize=(12, 9),
-                                            gridspec_kw={"height_ratios": [3, 1, 1]})
+    fig, (ax_g, ax_kv, ax_b) = plt.subplots(
+        3, 1, sharex=True, figsize=(12, 9), gridspec_kw={"height_ratios": [3, 1, 1]}
+    )
     for i, r in enumerate(reqs):
         end = r.end if r.end is not None else tl.t1
         admitted = r.admitted if r.admitted is not None else end
         first = r.first_token if r.first_token is not None else end
-        for name, a, b in (("waiting", r.queued, admitted), ("prefill", admitted, first), ("decode", first, end)):
+        for name, a, b in (
+            ("waiting", r.queued, admitted),
+            ("prefill", admitted, first),
+            ("decode", first, end),
+        ):
             if b > a:
                 ax_g.broken_barh([(a - t0, b - a)], (i, 0.9), color=COLORS[name])
         for a, b in r.preemptions:
@@ -201,7 +274,9 @@ def render_png(tl: Timeline, out_path: str, pool_tokens: int | None = None) -> N
             ax_g.plot([end - t0], [i + 0.45], "x", color=COLORS["preempted"])
     ax_g.set_ylabel(f"requests ({len(reqs)})")
     ax_g.invert_yaxis()
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[n]) for n in ("waiting", "prefill", "decode", "preempted")]
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=COLORS[n]) for n in ("waiting", "prefill", "decode", "preempted")
+    ]
     ax_g.legend(handles, ["waiting", "prefill", "decode", "preempted"], loc="upper right", fontsize=8)
     kv = [(t0, 0), *tl.kv_held, (tl.t1, tl.kv_held[-1][1] if tl.kv_held else 0)]
     ax_kv.step([t - t0 for t, _ in kv], [v for _, v in kv], where="post", color=COLORS["kv"])
@@ -210,8 +285,14 @@ def render_png(tl: Timeline, out_path: str, pool_tokens: int | None = None) -> N
     ax_kv.set_ylabel("KV slots held")
     for phase in ("decode", "prefill"):
         steps = [s for s in tl.steps if s.phase == phase]
-        ax_b.vlines([s.ts - t0 for s in steps], 0, [s.batch_size for s in steps], color=COLORS[phase],
-                    linewidth=1, label=phase)
+        ax_b.vlines(
+            [s.ts - t0 for s in steps],
+            0,
+            [s.batch_size for s in steps],
+            color=COLORS[phase],
+            linewidth=1,
+            label=phase,
+        )
     ax_b.set_ylabel("batch size")
     ax_b.set_xlabel("seconds since the first event")
     ax_b.legend(loc="upper right", fontsize=8)

@@ -100,14 +100,21 @@ class LocalRanks:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         config_json = json.dumps(dataclasses.asdict(config))
-        self.procs = {rank: subprocess.Popen([sys.executable, "-m", "minfer.runner.ranks", "--rank", str(rank),
-                                              "--config", config_json], env=env)
-                      for rank in ranks}
+        self.procs = {
+            rank: subprocess.Popen(
+                [sys.executable, "-m", "minfer.runner.ranks", "--rank", str(rank), "--config", config_json],
+                env=env,
+            )
+            for rank in ranks
+        }
 
     def dead(self) -> list[str]:
         """One line per rank process that has exited."""
-        return [f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}"
-                for rank, p in self.procs.items() if p.poll() is not None]
+        return [
+            f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}"
+            for rank, p in self.procs.items()
+            if p.poll() is not None
+        ]
 
     def check(self) -> None:
         from minfer.distributed.parallel import TensorParallelError
@@ -167,8 +174,13 @@ def run_worker_node(config: EngineConfig) -> int:
     from minfer.distributed.parallel import RankLayout
 
     layout = RankLayout.of(config)
-    log.info("node %d of %d: running tensor-parallel ranks %s, rank 0 at %s", layout.node_rank, layout.nnodes,
-             layout.node_ranks, config.dist_init_addr)
+    log.info(
+        "node %d of %d: running tensor-parallel ranks %s, rank 0 at %s",
+        layout.node_rank,
+        layout.nnodes,
+        layout.node_ranks,
+        config.dist_init_addr,
+    )
     ranks = LocalRanks(config, layout.node_ranks)
     try:
         return ranks.wait()

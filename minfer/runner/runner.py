@@ -17,7 +17,9 @@ from minfer.scheduler.scheduler import Scheduler, StepOutput
 
 
 class Runner:
-    def __init__(self, config: EngineConfig, spawn_followers: bool = True, scheduler_options: dict | None = None):
+    def __init__(
+        self, config: EngineConfig, spawn_followers: bool = True, scheduler_options: dict | None = None
+    ):
         """Become rank 0 (starting this node's other ranks when asked), load the engine, build
         the scheduler and agree with the other ranks on what must be equal."""
         self.config = config
@@ -41,8 +43,14 @@ class Runner:
         pool_tokens = (sched.kv.num_pages - sched.decode_reserve_pages) * sched.config.page_size
         return min(self.engine.max_model_len, pool_tokens)
 
-    def add(self, token_ids: list[int], params: SamplingParams, uid: int | None = None,
-            max_tokens_auto: bool = False, arrival_time: float | None = None) -> Req:
+    def add(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        uid: int | None = None,
+        max_tokens_auto: bool = False,
+        arrival_time: float | None = None,
+    ) -> Req:
         """Queue a request (InvalidRequestError if it breaks a limit). `max_tokens_auto`: the
         caller gave no max_tokens, so the request may fill the rest of the context."""
         if max_tokens_auto:

@@ -74,12 +74,18 @@ def tokens_crc(outputs: list[StepOutput]) -> int:
 
 def engine_facts(engine: Engine) -> dict:
     """What must be equal on every rank for their schedulers to decide alike."""
-    return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
-            "kv_pool_slots": engine.kv_pool.num_slots, "max_running_requests": engine.max_running_requests,
-            "page_size": engine.config.page_size, "seed": engine.config.seed,
-            "chunked_prefill_size": engine.config.chunked_prefill_size, "cache": engine.config.cache,
-            "schedule_policy": engine.config.schedule_policy,
-            "disable_overlap_schedule": engine.config.disable_overlap_schedule}
+    return {
+        "vocab_size": engine.vocab_size,
+        "max_model_len": engine.max_model_len,
+        "kv_pool_slots": engine.kv_pool.num_slots,
+        "max_running_requests": engine.max_running_requests,
+        "page_size": engine.config.page_size,
+        "seed": engine.config.seed,
+        "chunked_prefill_size": engine.config.chunked_prefill_size,
+        "cache": engine.config.cache,
+        "schedule_policy": engine.config.schedule_policy,
+        "disable_overlap_schedule": engine.config.disable_overlap_schedule,
+    }
 
 
 class StepLeader:
@@ -134,8 +140,12 @@ class StepLeader:
         return scheduler.step()
 
     def _publish(self, stop: bool) -> None:
-        events = [e if isinstance(e, RequestAborted)
-                  else RequestAdded(e.uid, e.token_ids[:e.prompt_len], e.params, e.seed) for e in self.added]
+        events = [
+            e
+            if isinstance(e, RequestAborted)
+            else RequestAdded(e.uid, e.token_ids[: e.prompt_len], e.params, e.seed)
+            for e in self.added
+        ]
         self.added = []
         order = StepOrder(self.steps, events, self.previous_crc, stop)
         self.tp.broadcast_bytes(_encoder.encode(order))
@@ -220,7 +230,8 @@ def follow(tp: TPGroup, engine: Engine, scheduler: Scheduler) -> None:
         if order.step != steps or order.previous_tokens_crc != crc:
             raise TensorParallelError(
                 f"rank {tp.rank} diverged from rank 0 before step {order.step} (its step {steps}): the "
-                f"sampled tokens differ (CRC {crc:#x} here, {order.previous_tokens_crc:#x} on rank 0)")
+                f"sampled tokens differ (CRC {crc:#x} here, {order.previous_tokens_crc:#x} on rank 0)"
+            )
         if order.stop:
             return
         for event in order.events:

@@ -84,29 +84,48 @@ class SchedulerLoop:
                 timings[o.uid] = t
             if o.finish_reason:
                 self.timer.forget(o.uid)
-        self.send_out(m.TokenOutputs(uids=[o.uid for o in outputs], token_ids=[o.token_id for o in outputs],
-                                     finish_reasons=[o.finish_reason for o in outputs],
-                                     stop_reasons=[o.stop_reason for o in outputs], first_token_timings=timings,
-                                     logprobs={o.uid: o.logprobs for o in outputs if o.logprobs is not None},
-                                     prompt_logprobs={o.uid: o.prompt_logprobs for o in outputs
-                                                      if o.prompt_logprobs is not None}))
+        self.send_out(
+            m.TokenOutputs(
+                uids=[o.uid for o in outputs],
+                token_ids=[o.token_id for o in outputs],
+                finish_reasons=[o.finish_reason for o in outputs],
+                stop_reasons=[o.stop_reason for o in outputs],
+                first_token_timings=timings,
+                logprobs={o.uid: o.logprobs for o in outputs if o.logprobs is not None},
+                prompt_logprobs={o.uid: o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None},
+            )
+        )
 
     def startup_info(self) -> dict:
         engine = self.scheduler.engine
-        return {"model": engine.source.name, "max_model_len": engine.max_model_len,
-                "vocab_size": engine.vocab_size, "device": str(engine.device), "dtype": str(engine.dtype),
-                "max_running_requests": engine.max_running_requests, "max_request_tokens": self.runner.max_request_tokens,
-                "eos_token_ids": sorted(engine.eos_token_ids),
-                "memory": engine.memory.as_dict(), "memory_line": engine.memory.describe(engine.max_model_len)}
+        return {
+            "model": engine.source.name,
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.vocab_size,
+            "device": str(engine.device),
+            "dtype": str(engine.dtype),
+            "max_running_requests": engine.max_running_requests,
+            "max_request_tokens": self.runner.max_request_tokens,
+            "eos_token_ids": sorted(engine.eos_token_ids),
+            "memory": engine.memory.as_dict(),
+            "memory_line": engine.memory.describe(engine.max_model_len),
+        }
 
     def live_info(self) -> dict:
         sched, kv = self.scheduler, self.scheduler.kv
         return {
-            "kv_pool": {"page_size": kv.page_size, "total_pages": kv.num_pages,
-                        "free_pages": kv.allocator.num_free_pages, "cached_pages": kv.prefix_cache.cached_pages,
-                        "used_pages": kv.used_pages},
-            "requests": {"waiting": len(sched.waiting), "prefilling": len(sched.prefilling),
-                         "running": len(sched.running)},
+            "kv_pool": {
+                "page_size": kv.page_size,
+                "total_pages": kv.num_pages,
+                "free_pages": kv.allocator.num_free_pages,
+                "cached_pages": kv.prefix_cache.cached_pages,
+                "used_pages": kv.used_pages,
+            },
+            "requests": {
+                "waiting": len(sched.waiting),
+                "prefilling": len(sched.prefilling),
+                "running": len(sched.running),
+            },
             "counters": dataclasses.asdict(sched.counters),
             "stats": scheduler_stats(sched),  # what /metrics exports
         }

@@ -23,8 +23,12 @@ class DecodePlanner:
     def plan(self) -> Batch | None:
         # A request whose in-flight step (overlap mode) reaches max_tokens needs no more steps.
         # A grammar needs its previous token accepted before it can mask the next (grammar.py).
-        reqs = [r for r in self.queues.running if r.device_len - r.prompt_len < r.params.max_tokens
-                and (r.grammar is None or len(r.token_ids) == r.device_len)]
+        reqs = [
+            r
+            for r in self.queues.running
+            if r.device_len - r.prompt_len < r.params.max_tokens
+            and (r.grammar is None or len(r.token_ids) == r.device_len)
+        ]
         if not reqs:
             return None
         # Each request needs a slot for its newest token; free some by preemption, half-

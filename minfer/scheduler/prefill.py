@@ -21,8 +21,15 @@ SHARED_HEAD_TOKENS = 32
 
 
 class PrefillPlanner:
-    def __init__(self, queues: RequestQueues, kv: KVManager, config: EngineConfig, max_running: int,
-                 reserve_pages: int, trace: NullSchedulerTrace):
+    def __init__(
+        self,
+        queues: RequestQueues,
+        kv: KVManager,
+        config: EngineConfig,
+        max_running: int,
+        reserve_pages: int,
+        trace: NullSchedulerTrace,
+    ):
         self.queues = queues
         self.kv = kv
         self.config = config
@@ -50,11 +57,18 @@ class PrefillPlanner:
         # Requests admitted in this batch (or still prefilling in chunks) are not in the prefix
         # cache yet; a waiting request that starts like one of them waits and then reuses its
         # prefix instead of recomputing it.
-        admitted_heads = {head for req in q.prefilling if (head := self.shareable_head(req))
-                          and self.kv.prefix_cache.prefix_length(list(head)) < len(head)}
+        admitted_heads = {
+            head
+            for req in q.prefilling
+            if (head := self.shareable_head(req))
+            and self.kv.prefix_cache.prefix_length(list(head)) < len(head)
+        }
         deferred: list[Req] = []
         while q.waiting and budget > 0:
-            if len(q.running) + len(q.prefilling) >= self.max_running or self.kv.page_table.num_free_rows == 0:
+            if (
+                len(q.running) + len(q.prefilling) >= self.max_running
+                or self.kv.page_table.num_free_rows == 0
+            ):
                 break
             req = q.waiting[0]
             head = self.shareable_head(req)
@@ -91,15 +105,18 @@ class PrefillPlanner:
             return
         cache = self.kv.prefix_cache
         resumed = [r for r in q.waiting if r.preempted]
-        fresh = sorted((r for r in q.waiting if not r.preempted),
-                       key=lambda r: -cache.prefix_length(r.token_ids[:r.device_len - 1]))
+        fresh = sorted(
+            (r for r in q.waiting if not r.preempted),
+            key=lambda r: -cache.prefix_length(r.token_ids[: r.device_len - 1]),
+        )
         q.waiting = deque(resumed + fresh)
 
     def shareable_head(self, req: Req) -> tuple[int, ...] | None:
         """The first SHARED_HEAD_TOKENS tokens, or a shorter prompt's whole known part (so the n
         copies of one short request share it too); None when too short to be worth a wait."""
-        head = tuple(req.token_ids[:min(SHARED_HEAD_TOKENS, req.device_len - 1)])
-        if len(head) == SHARED_HEAD_TOKENS or (len(head) == req.device_len - 1
-                                                and len(head) >= max(1, self.config.page_size)):
+        head = tuple(req.token_ids[: min(SHARED_HEAD_TOKENS, req.device_len - 1)])
+        if len(head) == SHARED_HEAD_TOKENS or (
+            len(head) == req.device_len - 1 and len(head) >= max(1, self.config.page_size)
+        ):
             return head
         return None

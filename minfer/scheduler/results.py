@@ -21,8 +21,9 @@ class StepOutput:
     prompt_logprobs: TokenLogprobs | None = None  # with the first token, when the request asked
 
 
-def read_results(batch: Batch, result: ForwardResult, max_model_len: int,
-                 trace: NullSchedulerTrace) -> tuple[list[StepOutput], list[tuple[Req, FinishReason]]]:
+def read_results(
+    batch: Batch, result: ForwardResult, max_model_len: int, trace: NullSchedulerTrace
+) -> tuple[list[StepOutput], list[tuple[Req, FinishReason]]]:
     """Append each sampled token to its request; returns the outputs and the requests that
     end with them (and why), for the scheduler to finish."""
     outputs, ending = [], []
@@ -74,7 +75,7 @@ def prompt_logprobs_of(req: Req) -> TokenLogprobs:
     """The prompt's logprobs, gathered chunk by chunk during prefill; nothing scores the first token."""
     k = req.params.prompt_logprobs
     scored = req.prompt_logprobs or {}
-    out = TokenLogprobs(list(req.token_ids[:req.prompt_len]), [None], [[]], [[]])
+    out = TokenLogprobs(list(req.token_ids[: req.prompt_len]), [None], [[]], [[]])
     for position in range(req.prompt_len - 1):
         row = scored[position]
         out.logprobs.append(row.logprob)

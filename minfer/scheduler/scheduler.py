@@ -46,7 +46,9 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: EngineConfig | None = None, tracer: RequestTracer | None = None):
+    def __init__(
+        self, engine: Engine, config: EngineConfig | None = None, tracer: RequestTracer | None = None
+    ):
         self.engine = engine
         self.config = config or engine.config
         if tracer is None:
@@ -56,16 +58,24 @@ class Scheduler:
         # Free KV a running request may need before the next admission: one page each, so an
         # admitted batch does not preempt itself on its first decode step.
         self.decode_reserve_pages = 1
-        self.kv = KVManager(engine.kv_pool.num_slots, self.config.page_size, engine.page_table,
-                            self.config.cache)
+        self.kv = KVManager(
+            engine.kv_pool.num_slots, self.config.page_size, engine.page_table, self.config.cache
+        )
         self.queues = RequestQueues()
         self.counters = SchedulerCounters()
-        self.prefill = PrefillPlanner(self.queues, self.kv, self.config, engine.max_running_requests,
-                                      self.decode_reserve_pages, self.trace)
+        self.prefill = PrefillPlanner(
+            self.queues,
+            self.kv,
+            self.config,
+            engine.max_running_requests,
+            self.decode_reserve_pages,
+            self.trace,
+        )
         self.decode = DecodePlanner(self.queues, self.kv, self.trace, self.counters)
         self.in_flight: tuple[Batch, ForwardResult] | None = None  # launched, tokens not read yet
-        self.check_kv = (self.config.check_kv_invariants
-                         or os.environ.get("MINFER_CHECK_KV_INVARIANTS", "") not in ("", "0"))
+        self.check_kv = self.config.check_kv_invariants or os.environ.get(
+            "MINFER_CHECK_KV_INVARIANTS", ""
+        ) not in ("", "0")
         self._seed_source = random.Random(self.config.seed)
         self._uids = itertools.count()
         self.trace.pool(self.kv.num_pages * self.kv.page_size, self.kv.page_size)
@@ -91,8 +101,13 @@ class Scheduler:
     def new_uid(self) -> int:
         return next(self._uids)
 
-    def add_request(self, token_ids: list[int], params: SamplingParams, uid: int | None = None,
-                    arrival_time: float | None = None) -> Req:
+    def add_request(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        uid: int | None = None,
+        arrival_time: float | None = None,
+    ) -> Req:
         """Validate and queue a request; raises InvalidRequestError naming the limit it breaks."""
         self.validate(token_ids, params)
         grammar = None
@@ -102,9 +117,16 @@ class Scheduler:
             grammar = self.engine.grammar_backend().matcher(params.structured_output)
         uid = self.new_uid() if uid is None else uid
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(32)
-        req = Req(uid=uid, token_ids=list(token_ids), prompt_len=len(token_ids), params=params,
-                  eos_token_ids=self.engine.eos_token_ids, seed=seed,
-                  arrival_time=arrival_time if arrival_time is not None else time.monotonic(), grammar=grammar)
+        req = Req(
+            uid=uid,
+            token_ids=list(token_ids),
+            prompt_len=len(token_ids),
+            params=params,
+            eos_token_ids=self.engine.eos_token_ids,
+            seed=seed,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            grammar=grammar,
+        )
         self.by_uid[uid] = req
         self.waiting.append(req)
         self.counters.prompt_tokens += len(token_ids)
@@ -120,19 +142,28 @@ class Scheduler:
             raise InvalidRequestError(
                 f"this model's maximum context length is {max_len} tokens, but the request has "
                 f"{len(token_ids)} prompt tokens and max_tokens={params.max_tokens} "
-                f"({len(token_ids) + params.max_tokens} in total)", "max_tokens", "context_length_exceeded")
+                f"({len(token_ids) + params.max_tokens} in total)",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         # A request alone in the pool must be able to finish, or preemption could not help it.
         pool_tokens = (self.kv.num_pages - self.decode_reserve_pages) * self.config.page_size
         if len(token_ids) + params.max_tokens > pool_tokens:
             raise InvalidRequestError(
                 f"the request needs {len(token_ids)} prompt + {params.max_tokens} max_tokens KV slots, more than "
-                f"the whole KV pool holds ({pool_tokens} tokens)", "max_tokens")
-        for field_name, ids in (("prompt", token_ids), ("logit_bias", params.logit_bias),
-                                ("stop_token_ids", params.stop_token_ids)):
+                f"the whole KV pool holds ({pool_tokens} tokens)",
+                "max_tokens",
+            )
+        for field_name, ids in (
+            ("prompt", token_ids),
+            ("logit_bias", params.logit_bias),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
             bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
             if bad:
                 raise InvalidRequestError(
-                    f"token id {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})", field_name)
+                    f"token id {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})", field_name
+                )
 
     def abort(self, uid: int) -> StepOutput | None:
         """End a request wherever it is; its KV is freed now. None if it is unknown or done."""

@@ -67,9 +67,21 @@ async def metrics(state: ServerState = Depends(server_state)):
 
 @router.get("/v1/models")
 async def models(state: ServerState = Depends(server_state)):
-    return json_response({"object": "list", "data": [
-        {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "minfer",
-         "root": state.scheduler_info["model"], "max_model_len": state.max_model_len}]})
+    return json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "minfer",
+                    "root": state.scheduler_info["model"],
+                    "max_model_len": state.max_model_len,
+                }
+            ],
+        }
+    )
 
 
 @router.get("/version", response_model=Version)
@@ -81,13 +93,20 @@ async def version():
 async def server_info(state: ServerState = Depends(server_state)):
     client = state.client
     live = (await client.call(m.InfoQuery(call_id=next(client.call_ids)))).info
-    return json_response({
-        "version": __version__, "model": state.model_name,
-        "engine_config": dataclasses.asdict(state.engine_config),
-        "server_config": {**dataclasses.asdict(state.server_config), "api_key": None},  # never echo the key
-        **state.scheduler_info, **live,
-        "workers": {role: p.pid for role, p in state.workers.items()},
-    })
+    return json_response(
+        {
+            "version": __version__,
+            "model": state.model_name,
+            "engine_config": dataclasses.asdict(state.engine_config),
+            "server_config": {
+                **dataclasses.asdict(state.server_config),
+                "api_key": None,
+            },  # never echo the key
+            **state.scheduler_info,
+            **live,
+            "workers": {role: p.pid for role, p in state.workers.items()},
+        }
+    )
 
 
 @router.post("/abort_request", response_model=AbortResult)
@@ -115,12 +134,23 @@ async def tokenize(body: TokenizeRequestBody, state: ServerState = Depends(serve
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", "prompt")
     messages = None if body.messages is None else [msg.as_template_input() for msg in body.messages]
-    result = await tokenizer_call(state, kind="encode", text=body.prompt, messages=messages,
-                                  add_special_tokens=body.add_special_tokens,
-                                  add_generation_prompt=body.add_generation_prompt,
-                                  return_token_strs=body.return_token_strs)
-    return json_response({"count": len(result.token_ids), "max_model_len": state.max_model_len,
-                          "tokens": result.token_ids, "token_strs": result.token_strs})
+    result = await tokenizer_call(
+        state,
+        kind="encode",
+        text=body.prompt,
+        messages=messages,
+        add_special_tokens=body.add_special_tokens,
+        add_generation_prompt=body.add_generation_prompt,
+        return_token_strs=body.return_token_strs,
+    )
+    return json_response(
+        {
+            "count": len(result.token_ids),
+            "max_model_len": state.max_model_len,
+            "tokens": result.token_ids,
+            "token_strs": result.token_strs,
+        }
+    )
 
 
 @router.post("/detokenize", response_model=DetokenizeResult)

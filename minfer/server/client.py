@@ -51,8 +51,14 @@ class ReplyQueue(asyncio.Queue):
 
 
 class EngineClient:
-    def __init__(self, inbox: zmq.Socket, to_tokenizer: zmq.Socket, tracer: RequestTracer = NULL_TRACER,
-                 max_open_requests: int | None = None, max_unread_replies: int | None = None):
+    def __init__(
+        self,
+        inbox: zmq.Socket,
+        to_tokenizer: zmq.Socket,
+        tracer: RequestTracer = NULL_TRACER,
+        max_open_requests: int | None = None,
+        max_unread_replies: int | None = None,
+    ):
         self.inbox = inbox  # bound, synchronous; shadowed by an asyncio socket in `start`
         self.to_tokenizer = to_tokenizer
         self.tracer = tracer
@@ -103,8 +109,10 @@ class EngineClient:
 
     def abort_unread(self, queue: ReplyQueue, limit: int) -> None:
         """The client of `queue` stopped reading: abort its requests; the error is its last event."""
-        message = (f"request aborted: its client left more than {limit} replies unread "
-                   "(--max-unread-replies); read the stream as it arrives")
+        message = (
+            f"request aborted: its client left more than {limit} replies unread "
+            "(--max-unread-replies); read the stream as it arrives"
+        )
         log.warning("%s", message)
         for uid in [uid for uid, q in self.queues.items() if q is queue]:
             self.abort(uid)
@@ -115,8 +123,10 @@ class EngineClient:
         if self.failure:
             raise APIError(503, self.failure)
         if self.max_open_requests is not None and len(self.queues) >= self.max_open_requests:
-            raise ServerOverloaded(f"the server is at capacity ({len(self.queues)} requests running or waiting, "
-                                   "--max-running-requests + --max-queued-requests); retry later")
+            raise ServerOverloaded(
+                f"the server is at capacity ({len(self.queues)} requests running or waiting, "
+                "--max-running-requests + --max-queued-requests); retry later"
+            )
         queue.requests += 1
         self.queues[request.uid] = queue
         self.metrics.request_started(request.uid, time.monotonic())

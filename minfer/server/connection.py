@@ -53,14 +53,21 @@ class ReadTimeoutH11Protocol(H11Protocol):
     def _read_timed_out(self) -> None:
         self._read_timer = None
         # IDLE with nothing buffered after a finished response is uvicorn's keep-alive wait.
-        idle_between_requests = (self.conn.their_state is h11.IDLE and self.cycle is not None
-                                 and not self.conn.trailing_data[0])
+        idle_between_requests = (
+            self.conn.their_state is h11.IDLE and self.cycle is not None and not self.conn.trailing_data[0]
+        )
         if self._reading() and not idle_between_requests and not self.transport.is_closing():
-            self.logger.info("closing a connection that sent no complete request in %.0f s", self.read_timeout_s)
+            self.logger.info(
+                "closing a connection that sent no complete request in %.0f s", self.read_timeout_s
+            )
             self.transport.close()
 
 
 def uvicorn_options(cfg: ServerConfig) -> dict:
     """Keyword arguments of uvicorn.Config for this server's limits."""
     protocol = type("ReadTimeoutH11", (ReadTimeoutH11Protocol,), {"read_timeout_s": cfg.request_read_timeout})
-    return {"http": protocol, "timeout_keep_alive": KEEP_ALIVE_S, "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
+    return {
+        "http": protocol,
+        "timeout_keep_alive": KEEP_ALIVE_S,
+        "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+    }

@@ -146,6 +146,7 @@ class Deadline:
         self.reason: str | None = None
         self._handle = None
         if timeout is not None:
+
             def expire():
                 self.reason = f"the request's timeout of {timeout:g} s passed"
                 for uid in list(group.open):
@@ -161,11 +162,18 @@ class Deadline:
 def check_batch(job: Job, limit: int) -> None:
     """--max-batch-prompts: one body may not fan out into more engine requests than this."""
     if len(job.prompts) > limit:
-        raise APIError(400, f"{len(job.prompts)} prompts in one request, more than --max-batch-prompts={limit}",
-                       job.prompt_param)
+        raise APIError(
+            400,
+            f"{len(job.prompts)} prompts in one request, more than --max-batch-prompts={limit}",
+            job.prompt_param,
+        )
     if len(job.prompts) * job.n > limit:
-        raise APIError(400, f"n={job.n} choices x {len(job.prompts)} prompts = {len(job.prompts) * job.n} "
-                       f"engine requests, more than --max-batch-prompts={limit}", "n")
+        raise APIError(
+            400,
+            f"n={job.n} choices x {len(job.prompts)} prompts = {len(job.prompts) * job.n} "
+            f"engine requests, more than --max-batch-prompts={limit}",
+            "n",
+        )
 
 
 class Driver:
@@ -182,8 +190,11 @@ class Driver:
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         if stream:
-            return StreamingResponse(self.stream(shape), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                self.stream(shape),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         try:
             return json_response(shape.build(await unless_disconnected(self.collect(), self.request)))
         except ClientGone:
@@ -213,7 +224,11 @@ class Driver:
         params = job.params
         if params.seed is not None and j > 0:  # choice j of n: its own sampling stream
             params = msgspec.structs.replace(params, seed=(params.seed + j) % 2**63)
-        fields = {"uid": next(self.state.client.uids), "params": params, "max_tokens_auto": job.max_tokens_auto}
+        fields = {
+            "uid": next(self.state.client.uids),
+            "params": params,
+            "max_tokens_auto": job.max_tokens_auto,
+        }
         if job.chat:
             return m.GenerateRequest(**fields, messages=prompt)
         if isinstance(prompt, str):

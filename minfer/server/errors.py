@@ -22,9 +22,15 @@ from minfer.core import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-               503: "service_unavailable"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+}
 
 # `[09:43:11] ` (dmlc's log prefix) and absolute paths of two or more parts (`/project/cpp/x.cc:94:`).
 _LOG_TIME = re.compile(r"\[\d\d:\d\d:\d\d\]\s*")
@@ -40,8 +46,14 @@ def public_message(message: str) -> str:
 class APIError(Exception):
     """An error answered as OpenAI's error JSON with `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -60,14 +72,25 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": public_message(message), "type": ERROR_TYPES.get(status, "server_error"),
-                      "param": param, "code": code}}
+    return {
+        "error": {
+            "message": public_message(message),
+            "type": ERROR_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict | None = None) -> Response:
-    return Response(msgspec.json.encode(error_body(status, message, param, code)), status_code=status,
-                    media_type="application/json", headers=headers)
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+) -> Response:
+    return Response(
+        msgspec.json.encode(error_body(status, message, param, code)),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 class ErrorDetail(BaseModel):

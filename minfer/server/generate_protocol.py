@@ -22,7 +22,11 @@ from minfer.server.protocol import (
 )
 
 # SamplingParams' names that SGLang spells otherwise, for error messages.
-SGLANG_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "structured_output": "json_schema"}
+SGLANG_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "structured_output": "json_schema",
+}
 
 
 class GenerateSamplingParams(Body):
@@ -48,10 +52,15 @@ class GenerateSamplingParams(Body):
     ebnf: str | None = None
 
     def structured_output(self) -> StructuredOutput | None:
-        given = [(kind, spec) for kind, spec in (("json_schema", self.json_schema), ("regex", self.regex),
-                                                 ("ebnf", self.ebnf)) if spec is not None]
+        given = [
+            (kind, spec)
+            for kind, spec in (("json_schema", self.json_schema), ("regex", self.regex), ("ebnf", self.ebnf))
+            if spec is not None
+        ]
         if len(given) > 1:
-            raise APIError(400, "give at most one of json_schema, regex and ebnf", "sampling_params.json_schema")
+            raise APIError(
+                400, "give at most one of json_schema, regex and ebnf", "sampling_params.json_schema"
+            )
         return StructuredOutput(*given[0]) if given else None
 
 
@@ -73,16 +82,28 @@ class GenerateRequestBody(Body):
         sp = self.sampling_params
         logprobs = self.top_logprobs_num if self.return_logprob else None
         prompt_logprobs = logprobs if self.return_logprob and self.logprob_start_len >= 0 else None
-        return to_sampling_params({
-            "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "min_p": sp.min_p,
-            "max_tokens": sp.max_new_tokens, "min_tokens": sp.min_new_tokens, "stop": stop_list(sp.stop),
-            "stop_token_ids": sp.stop_token_ids, "ignore_eos": sp.ignore_eos,
-            "seed": sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
-            "frequency_penalty": sp.frequency_penalty, "presence_penalty": sp.presence_penalty,
-            "repetition_penalty": sp.repetition_penalty, "logit_bias": sp.logit_bias,
-            "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-            "structured_output": sp.structured_output()},
-            lambda name: f"sampling_params.{SGLANG_NAMES.get(name, name)}")
+        return to_sampling_params(
+            {
+                "temperature": sp.temperature,
+                "top_p": sp.top_p,
+                "top_k": sp.top_k,
+                "min_p": sp.min_p,
+                "max_tokens": sp.max_new_tokens,
+                "min_tokens": sp.min_new_tokens,
+                "stop": stop_list(sp.stop),
+                "stop_token_ids": sp.stop_token_ids,
+                "ignore_eos": sp.ignore_eos,
+                "seed": sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
+                "frequency_penalty": sp.frequency_penalty,
+                "presence_penalty": sp.presence_penalty,
+                "repetition_penalty": sp.repetition_penalty,
+                "logit_bias": sp.logit_bias,
+                "logprobs": logprobs,
+                "prompt_logprobs": prompt_logprobs,
+                "structured_output": sp.structured_output(),
+            },
+            lambda name: f"sampling_params.{SGLANG_NAMES.get(name, name)}",
+        )
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
         """The prompts, and whether the request was a batch (the answer is then a list)."""

@@ -35,8 +35,12 @@ class APIKeyGuard:
         if hmac.compare_digest(given, self.expected):  # constant time: no timing oracle on the key
             return await self.app(scope, receive, send)
         message = "a valid API key is required: send `Authorization: Bearer <key>`"
-        await _answer(scope, receive, send, error_response(401, message, None, "invalid_api_key",
-                                                           headers={"WWW-Authenticate": "Bearer"}))
+        await _answer(
+            scope,
+            receive,
+            send,
+            error_response(401, message, None, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"}),
+        )
 
 
 class BodySizeLimit:
@@ -47,8 +51,12 @@ class BodySizeLimit:
         self.max_bytes = max_bytes
 
     def too_large(self, size: str) -> object:
-        return error_response(413, f"the request body is {size}, more than --max-request-bytes={self.max_bytes}",
-                              None, "request_too_large")
+        return error_response(
+            413,
+            f"the request body is {size}, more than --max-request-bytes={self.max_bytes}",
+            None,
+            "request_too_large",
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -60,17 +60,32 @@ class Workers:
         if config.tp > 1 and not config.dist_init_addr:  # where the scheduler (rank 0) meets the others
             config = dataclasses.replace(config, dist_init_addr=free_local_addr())
         self.procs = {
-            "scheduler": ctx.Process(target=run_scheduler_worker, args=(config, endpoints, me),
-                                     name="minfer-scheduler", daemon=True),
-            "tokenizer": ctx.Process(target=run_tokenizer_worker, args=(config, endpoints, me),
-                                     name="minfer-tokenizer", daemon=True),
-            "detokenizer": ctx.Process(target=run_detokenizer_worker, args=(config, endpoints, me),
-                                       name="minfer-detokenizer", daemon=True),
+            "scheduler": ctx.Process(
+                target=run_scheduler_worker,
+                args=(config, endpoints, me),
+                name="minfer-scheduler",
+                daemon=True,
+            ),
+            "tokenizer": ctx.Process(
+                target=run_tokenizer_worker,
+                args=(config, endpoints, me),
+                name="minfer-tokenizer",
+                daemon=True,
+            ),
+            "detokenizer": ctx.Process(
+                target=run_detokenizer_worker,
+                args=(config, endpoints, me),
+                name="minfer-detokenizer",
+                daemon=True,
+            ),
         }
         # Tensor-parallel ranks 1..N-1 of this node: they talk only to the scheduler (rank 0).
-        self.tp_ranks = {f"tp-rank-{rank}": ctx.Process(target=run_follower_rank, args=(config, rank),
-                                                         name=f"minfer-tp{rank}", daemon=True)
-                         for rank in range(1, config.tp // config.nnodes)}
+        self.tp_ranks = {
+            f"tp-rank-{rank}": ctx.Process(
+                target=run_follower_rank, args=(config, rank), name=f"minfer-tp{rank}", daemon=True
+            )
+            for rank in range(1, config.tp // config.nnodes)
+        }
 
     def start(self) -> None:
         for proc in [*self.procs.values(), *self.tp_ranks.values()]:
@@ -81,7 +96,9 @@ class Workers:
 
     def stop(self) -> None:
         """SIGTERM each child, then SIGKILL whatever is still there after a timeout."""
-        live = [p for p in [*self.procs.values(), *self.tp_ranks.values()] if p.pid is not None and p.is_alive()]
+        live = [
+            p for p in [*self.procs.values(), *self.tp_ranks.values()] if p.pid is not None and p.is_alive()
+        ]
         for proc in live:
             proc.terminate()
         deadline = time.monotonic() + WORKER_STOP_TIMEOUT_S
@@ -147,26 +164,49 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
         ipc_dir.close()
 
 
-async def _serve_http(engine_cfg: EngineConfig, server_cfg: ServerConfig, ready: dict, workers: Workers,
-                      api_inbox: zmq.Socket, to_tokenizer: zmq.Socket) -> int:
+async def _serve_http(
+    engine_cfg: EngineConfig,
+    server_cfg: ServerConfig,
+    ready: dict,
+    workers: Workers,
+    api_inbox: zmq.Socket,
+    to_tokenizer: zmq.Socket,
+) -> int:
     import uvicorn
 
     from minfer.server.api import ServerState, build_app, uvicorn_options
 
     # This process starts the run, so it empties the trace file the workers append to.
-    tracer = RequestTracer(engine_cfg.trace_requests, truncate=True) if engine_cfg.trace_requests else NULL_TRACER
+    tracer = (
+        RequestTracer(engine_cfg.trace_requests, truncate=True) if engine_cfg.trace_requests else NULL_TRACER
+    )
     info = ready["scheduler"]
-    client = EngineClient(api_inbox, to_tokenizer, tracer,
-                          max_open_requests=info["max_running_requests"] + engine_cfg.max_queued_requests,
-                          max_unread_replies=engine_cfg.max_unread_replies)
+    client = EngineClient(
+        api_inbox,
+        to_tokenizer,
+        tracer,
+        max_open_requests=info["max_running_requests"] + engine_cfg.max_queued_requests,
+        max_unread_replies=engine_cfg.max_unread_replies,
+    )
     client.start()
-    state = ServerState(client=client, model_name=server_cfg.served_model_name or engine_cfg.model or info["model"],
-                        engine_config=engine_cfg, server_config=server_cfg, scheduler_info=info,
-                        tokenizer_info=ready["tokenizer"], workers=workers.procs)
-    config = uvicorn.Config(build_app(state), host=server_cfg.host, port=server_cfg.port,
-                            log_level=engine_cfg.log_level, access_log=engine_cfg.log_level == "debug",
-                            timeout_graceful_shutdown=engine_cfg.shutdown_timeout + FAIL_BEFORE_SHUTDOWN_S,
-                            **uvicorn_options(server_cfg))
+    state = ServerState(
+        client=client,
+        model_name=server_cfg.served_model_name or engine_cfg.model or info["model"],
+        engine_config=engine_cfg,
+        server_config=server_cfg,
+        scheduler_info=info,
+        tokenizer_info=ready["tokenizer"],
+        workers=workers.procs,
+    )
+    config = uvicorn.Config(
+        build_app(state),
+        host=server_cfg.host,
+        port=server_cfg.port,
+        log_level=engine_cfg.log_level,
+        access_log=engine_cfg.log_level == "debug",
+        timeout_graceful_shutdown=engine_cfg.shutdown_timeout + FAIL_BEFORE_SHUTDOWN_S,
+        **uvicorn_options(server_cfg),
+    )
     server = uvicorn.Server(config)
     watchdog = asyncio.create_task(_watch(server, state, workers, info["memory_line"]))
     await server.serve()
@@ -180,8 +220,11 @@ async def _watch(server, state, workers: Workers, memory_line: str) -> None:
         await asyncio.sleep(0.05)
     if server.started:
         cfg = state.server_config
-        print(f"minfer: serving {state.model_name!r} on http://{cfg.host}:{cfg.port} "
-              f"(OpenAI API at http://{cfg.host}:{cfg.port}/v1)", flush=True)
+        print(
+            f"minfer: serving {state.model_name!r} on http://{cfg.host}:{cfg.port} "
+            f"(OpenAI API at http://{cfg.host}:{cfg.port}/v1)",
+            flush=True,
+        )
         print(f"minfer: {memory_line}", flush=True)
     while not server.should_exit:
         dead = workers.dead()
@@ -199,5 +242,7 @@ async def _watch(server, state, workers: Workers, memory_line: str) -> None:
     # Those still open when --shutdown-timeout is over would be cancelled into a bare 500 or a
     # cut stream; end them with a 503 error JSON (a final error event in a stream) instead.
     await asyncio.sleep(state.engine_config.shutdown_timeout)
-    state.client.fail_all(f"the server is shutting down (open requests had {state.engine_config.shutdown_timeout:g} s "
-                          "to finish)")
+    state.client.fail_all(
+        f"the server is shutting down (open requests had {state.engine_config.shutdown_timeout:g} s "
+        "to finish)"
+    )

@@ -26,15 +26,35 @@ class ChatShape:
         self.chunk_base = {**self.base, "object": "chat.completion.chunk"}
 
     def build(self, choices: dict[int, Choice]) -> dict:
-        return {**self.base, "object": "chat.completion", "choices": [
-            {"index": i, "message": {"role": "assistant", "content": c.text},
-             "logprobs": chat_logprobs(c.logprobs) if self.body.logprobs else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            for i, c in sorted(choices.items())], "usage": usage(choices, self.body.n)}
+        return {
+            **self.base,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c.logprobs) if self.body.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for i, c in sorted(choices.items())
+            ],
+            "usage": usage(choices, self.body.n),
+        }
 
     def _chunk(self, index: int, delta: dict, finish_reason=None, stop_reason=None, logprobs=None) -> dict:
-        return {**self.chunk_base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                                "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+        return {
+            **self.chunk_base,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                    "stop_reason": stop_reason,
+                }
+            ],
+        }
 
     def opening(self, choices: dict[int, Choice]):
         for index in sorted(choices):
@@ -44,8 +64,13 @@ class ChatShape:
         has_logprobs = self.body.logprobs and reply.logprobs is not None
         if not reply.text and reply.finish_reason is None and not has_logprobs:
             return None
-        c = self._chunk(index, {"content": reply.text} if reply.text else {}, reply.finish_reason,
-                        choices[index].stop_reason, chat_logprobs(reply.logprobs) if has_logprobs else None)
+        c = self._chunk(
+            index,
+            {"content": reply.text} if reply.text else {},
+            reply.finish_reason,
+            choices[index].stop_reason,
+            chat_logprobs(reply.logprobs) if has_logprobs else None,
+        )
         if self.body.continuous_usage:
             c["usage"] = usage(choices, self.body.n)
         return c
@@ -56,12 +81,21 @@ class ChatShape:
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           state: ServerState = Depends(server_state)):
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: ServerState = Depends(server_state)
+):
     state.check_model(body.model)
     body.check_supported()
     params, auto = body.sampling_params()
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    job = Job(rid, [body.template_messages()], params, auto, n=body.n, chat=True, timeout=body.timeout,
-              prompt_param="messages")
+    job = Job(
+        rid,
+        [body.template_messages()],
+        params,
+        auto,
+        n=body.n,
+        chat=True,
+        timeout=body.timeout,
+        prompt_param="messages",
+    )
     return await Driver(state, request, job).respond(ChatShape(body, rid, state.model_name), body.stream)

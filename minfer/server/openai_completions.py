@@ -35,10 +35,20 @@ class CompletionShape:
             parts = [c.prompt_logprobs, c.logprobs] if body.echo and c.prompt_logprobs else [c.logprobs]
             return completion_logprobs(parts)[0]
 
-        return {**self.base, "choices": [
-            {"index": i, "text": c.prompt_text + c.text if body.echo else c.text, "logprobs": logprobs(c),
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in sorted(choices.items())],
-            "usage": usage(choices, body.n)}
+        return {
+            **self.base,
+            "choices": [
+                {
+                    "index": i,
+                    "text": c.prompt_text + c.text if body.echo else c.text,
+                    "logprobs": logprobs(c),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for i, c in sorted(choices.items())
+            ],
+            "usage": usage(choices, body.n),
+        }
 
     def opening(self, choices):
         return ()
@@ -55,9 +65,18 @@ class CompletionShape:
         logprobs = None
         if self.want_logprobs:
             logprobs, self.offsets[index] = completion_logprobs(parts, self.offsets.get(index, 0))
-        chunk = {**self.base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                           "finish_reason": reply.finish_reason,
-                                           "stop_reason": choices[index].stop_reason}]}
+        chunk = {
+            **self.base,
+            "choices": [
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": reply.finish_reason,
+                    "stop_reason": choices[index].stop_reason,
+                }
+            ],
+        }
         if body.continuous_usage:
             chunk["usage"] = usage(choices, body.n)
         return chunk
@@ -74,4 +93,6 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     params, auto = body.sampling_params()
     rid = f"cmpl-{uuid.uuid4().hex}"
     job = Job(rid, body.prompts(), params, auto, n=body.n, echo=body.echo, timeout=body.timeout)
-    return await Driver(state, request, job).respond(CompletionShape(body, rid, state.model_name), body.stream)
+    return await Driver(state, request, job).respond(
+        CompletionShape(body, rid, state.model_name), body.stream
+    )

@@ -101,14 +101,20 @@ class ResponseFormat(Body):
 
     def structured_output(self) -> StructuredOutput | None:
         if self.type not in ("text", "json_object", "json_schema"):
-            raise APIError(400, f"response_format type {self.type[:40]!r} is not one of text, json_object, "
-                           "json_schema", "response_format")
+            raise APIError(
+                400,
+                f"response_format type {self.type[:40]!r} is not one of text, json_object, json_schema",
+                "response_format",
+            )
         if self.type == "json_object":
             return StructuredOutput("json")
         if self.type == "json_schema":
             if self.json_schema is None or self.json_schema.json_schema is None:
-                raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
-                               "response_format.json_schema")
+                raise APIError(
+                    400,
+                    "response_format.json_schema.schema must be a JSON schema object",
+                    "response_format.json_schema",
+                )
             return StructuredOutput("json_schema", json.dumps(self.json_schema.json_schema))
         return None
 
@@ -146,14 +152,27 @@ class OpenAISamplingFields(Body):
 
     def sampling_params(self) -> tuple[SamplingParams, bool]:
         logprobs, prompt_logprobs = self.logprob_counts()
-        return to_sampling_params({
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-            "max_tokens": self.max_new_tokens(), "min_tokens": self.min_tokens, "stop": stop_list(self.stop),
-            "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos, "seed": self.seed,
-            "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-            "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
-            "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-            "structured_output": self.response_format and self.response_format.structured_output()})
+        return to_sampling_params(
+            {
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "top_k": self.top_k,
+                "min_p": self.min_p,
+                "max_tokens": self.max_new_tokens(),
+                "min_tokens": self.min_tokens,
+                "stop": stop_list(self.stop),
+                "stop_token_ids": self.stop_token_ids,
+                "ignore_eos": self.ignore_eos,
+                "seed": self.seed,
+                "frequency_penalty": self.frequency_penalty,
+                "presence_penalty": self.presence_penalty,
+                "repetition_penalty": self.repetition_penalty,
+                "logit_bias": self.logit_bias,
+                "logprobs": logprobs,
+                "prompt_logprobs": prompt_logprobs,
+                "structured_output": self.response_format and self.response_format.structured_output(),
+            }
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -165,8 +184,12 @@ class OpenAISamplingFields(Body):
 
 
 class CompletionRequest(OpenAISamplingFields):
-    prompt: (Text | Annotated[list[Text], Field(min_length=1)] | TokenIds
-             | Annotated[list[TokenIds], Field(min_length=1)])
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
     max_tokens: Int | None = 16
     echo: bool = False
     logprobs: Int | None = None

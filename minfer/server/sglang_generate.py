@@ -32,19 +32,31 @@ class GenerateShape:
             reason = {"type": c.finish_reason, "matched": c.stop_reason}
         end = c.finish_time if c.finish_time is not None else time.monotonic()
         first = c.first_token_time
-        timings = {"queue_s": c.queue_s, "prefill_s": c.prefill_s,
-                   "first_token_s": None if first is None else first - self.arrival,
-                   "decode_s": None if first is None else end - first, "e2e_s": end - self.arrival}
-        meta = {"id": self.rid if not self.batched else f"{self.rid}-{index}", "prompt_tokens": c.prompt_tokens,
-                "completion_tokens": c.completion_tokens, "finish_reason": reason,
-                "e2e_latency": timings["e2e_s"], "timings": timings}
+        timings = {
+            "queue_s": c.queue_s,
+            "prefill_s": c.prefill_s,
+            "first_token_s": None if first is None else first - self.arrival,
+            "decode_s": None if first is None else end - first,
+            "e2e_s": end - self.arrival,
+        }
+        meta = {
+            "id": self.rid if not self.batched else f"{self.rid}-{index}",
+            "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": c.completion_tokens,
+            "finish_reason": reason,
+            "e2e_latency": timings["e2e_s"],
+            "timings": timings,
+        }
         body = self.body
         if body.return_logprob:
             with_text = body.return_text_in_logprobs
-            meta["output_token_logprobs"], meta["output_top_logprobs"] = sglang_logprobs(c.logprobs, 0, with_text)
+            meta["output_token_logprobs"], meta["output_top_logprobs"] = sglang_logprobs(
+                c.logprobs, 0, with_text
+            )
             if c.prompt_logprobs is not None:
                 meta["input_token_logprobs"], meta["input_top_logprobs"] = sglang_logprobs(
-                    c.prompt_logprobs, body.logprob_start_len, with_text)
+                    c.prompt_logprobs, body.logprob_start_len, with_text
+                )
         return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}
 
     def build(self, choices: dict[int, Choice]) -> dict | list:
@@ -71,6 +83,12 @@ async def generate(body: GenerateRequestBody, request: Request, state: ServerSta
     prompts, batched = body.prompts()
     params, auto = body.params()
     rid = body.rid or uuid.uuid4().hex
-    job = Job(rid, prompts, params, auto, timeout=body.timeout,
-              prompt_param="text" if body.text is not None else "input_ids")
+    job = Job(
+        rid,
+        prompts,
+        params,
+        auto,
+        timeout=body.timeout,
+        prompt_param="text" if body.text is not None else "input_ids",
+    )
     return await Driver(state, request, job).respond(GenerateShape(body, rid, batched), body.stream)

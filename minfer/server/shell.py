@@ -13,8 +13,10 @@ from minfer.config import EngineConfig
 from minfer.core import InvalidRequestError, SamplingParams
 from minfer.tokenizer.detokenizer import IncrementalDetokenizer
 
-HELP = ("Type a message and press Enter. /reset clears the conversation, /temp T sets the sampling "
-        "temperature (0 = greedy), /exit (or Ctrl-D) quits.")
+HELP = (
+    "Type a message and press Enter. /reset clears the conversation, /temp T sets the sampling "
+    "temperature (0 = greedy), /exit (or Ctrl-D) quits."
+)
 # A chat in a terminal wants some variety but stays on topic.
 DEFAULT_TEMPERATURE = 0.7
 TOP_P = 0.9
@@ -57,7 +59,7 @@ def fit_history(llm, history: list[dict]) -> list[int]:
             ids = None
         if ids is not None and (len(ids) < limit - 16 or len(history) - first <= 1):
             return ids
-        del history[first:first + 2]  # a user turn and its answer
+        del history[first : first + 2]  # a user turn and its answer
 
 
 def run_shell(engine_cfg: EngineConfig) -> int:
@@ -103,8 +105,9 @@ def run_shell(engine_cfg: EngineConfig) -> int:
         try:
             ids = fit_history(llm, history)
             room = llm.engine.max_model_len - len(ids)
-            params = SamplingParams(temperature=temperature, top_p=TOP_P,
-                                    max_tokens=max(1, min(MAX_REPLY_TOKENS, room)))
+            params = SamplingParams(
+                temperature=temperature, top_p=TOP_P, max_tokens=max(1, min(MAX_REPLY_TOKENS, room))
+            )
             reply = stream_reply(llm, ids, params)
         except InvalidRequestError as e:
             print(f"error: {e}")

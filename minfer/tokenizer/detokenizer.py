@@ -28,12 +28,12 @@ class _SlowTokenizerStream:
     def step(self, _backend, token_id: int) -> str | None:
         self.ids.append(token_id)
         decode = self.tokenizer.decode
-        done = decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
-        now = decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
+        done = decode(self.ids[self.prefix : self.read], skip_special_tokens=self.skip)
+        now = decode(self.ids[self.prefix :], skip_special_tokens=self.skip)
         if len(now) <= len(done) or now.endswith("\ufffd"):
             return None
         self.prefix, self.read = self.read, len(self.ids)
-        return now[len(done):]
+        return now[len(done) :]
 
 
 def make_stream(tokenizer, skip_special_tokens: bool = True):
@@ -85,7 +85,7 @@ class IncrementalDetokenizer:
         return self._hand_out(len(self.text))
 
     def _hand_out(self, end: int) -> str:
-        out = self.text[self.sent:end]
+        out = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return out
 

@@ -57,7 +57,13 @@ class DetokenizerWorker:
             self._dispatch(msg)
         except Exception as e:
             log.exception("detokenizer worker: %s failed", type(msg).__name__)
-            uids = msg.uids if isinstance(msg, m.TokenOutputs) else [msg.uid] if isinstance(msg, m.StreamStart) else []
+            uids = (
+                msg.uids
+                if isinstance(msg, m.TokenOutputs)
+                else [msg.uid]
+                if isinstance(msg, m.StreamStart)
+                else []
+            )
             for uid in uids:
                 if self.requests.pop(uid, None) is not None or isinstance(msg, m.StreamStart):
                     self.send_scheduler(m.AbortRequest(uid=uid))
@@ -67,8 +73,11 @@ class DetokenizerWorker:
         if isinstance(msg, m.TokenOutputs):
             self.detokenize(msg)
         elif isinstance(msg, m.StreamStart):
-            self.requests[msg.uid] = _Detok(IncrementalDetokenizer(self.tokenizer, msg.stop), msg.prompt_tokens,
-                                            prompt_text=msg.prompt_text)
+            self.requests[msg.uid] = _Detok(
+                IncrementalDetokenizer(self.tokenizer, msg.stop),
+                msg.prompt_tokens,
+                prompt_text=msg.prompt_text,
+            )
         else:
             if isinstance(msg, m.RequestFailed):
                 self.requests.pop(msg.uid, None)
@@ -80,7 +89,9 @@ class DetokenizerWorker:
             self.replies = []
 
     def detokenize(self, out: m.TokenOutputs) -> None:
-        for uid, token, finish, stop_token in zip(out.uids, out.token_ids, out.finish_reasons, out.stop_reasons):
+        for uid, token, finish, stop_token in zip(
+            out.uids, out.token_ids, out.finish_reasons, out.stop_reasons
+        ):
             state = self.requests.get(uid)
             if state is None:  # finished here already (stop string) or aborted by a disconnect
                 continue
@@ -99,8 +110,17 @@ class DetokenizerWorker:
                 del self.requests[uid]
             if text or tokens or finish:
                 queue_s, prefill_s = out.first_token_timings.get(uid, (None, None))
-                reply = m.Reply(uid, text, tokens, state.prompt_tokens, state.completion_tokens,
-                                finish, stop_reason, queue_s, prefill_s)
+                reply = m.Reply(
+                    uid,
+                    text,
+                    tokens,
+                    state.prompt_tokens,
+                    state.completion_tokens,
+                    finish,
+                    stop_reason,
+                    queue_s,
+                    prefill_s,
+                )
                 if uid in out.logprobs:
                     reply.logprobs = self.with_token_strings(out.logprobs[uid])
                 if uid in out.prompt_logprobs:
@@ -108,8 +128,13 @@ class DetokenizerWorker:
                 reply.prompt_text, state.prompt_text = state.prompt_text, None
                 self.replies.append(reply)
                 if self.tracer.enabled:
-                    self.tracer.emit(DETOKENIZED, uid, text_len=len(text),
-                                     completion_tokens=state.completion_tokens, finish_reason=finish)
+                    self.tracer.emit(
+                        DETOKENIZED,
+                        uid,
+                        text_len=len(text),
+                        completion_tokens=state.completion_tokens,
+                        finish_reason=finish,
+                    )
 
     def token_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
@@ -142,7 +167,9 @@ def run_detokenizer_worker(config: EngineConfig, endpoints: Endpoints, parent_pi
         log.exception("detokenizer failed to load the tokenizer")
         fail_start(to_api, "detokenizer", e)
     tracer = RequestTracer(config.trace_requests) if config.trace_requests else NULL_TRACER
-    worker = DetokenizerWorker(tokenizer, lambda msg: send(to_scheduler, msg), lambda msg: send(to_api, msg), tracer)
+    worker = DetokenizerWorker(
+        tokenizer, lambda msg: send(to_scheduler, msg), lambda msg: send(to_api, msg), tracer
+    )
     send(to_api, m.WorkerReady(role="detokenizer", pid=os.getpid(), info={}))
     while parent_alive(parent_pid):
         for msg in recv_ready(sock, "detokenizer", timeout_ms=1000):

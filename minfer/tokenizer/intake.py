@@ -24,17 +24,22 @@ def load_model_tokenizer(config: EngineConfig):
 def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
     """A conversation as text under the model's chat template."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("this model has no chat template: send a plain prompt (/v1/completions)",
-                                  "messages")
+        raise InvalidRequestError(
+            "this model has no chat template: send a plain prompt (/v1/completions)", "messages"
+        )
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
     except Exception as e:  # jinja raises for conversations the template refuses (roles order, ...)
         raise InvalidRequestError(f"the chat template rejected the messages: {e}", "messages") from e
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a conversation under the model's chat template."""
-    return tokenizer.encode(render_chat_text(tokenizer, messages, add_generation_prompt), add_special_tokens=False)
+    return tokenizer.encode(
+        render_chat_text(tokenizer, messages, add_generation_prompt), add_special_tokens=False
+    )
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -51,8 +56,13 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.meter = PromptMeter(tokenizer, max_prompt_tokens)
 
-    def encode(self, prompt: str | None = None, prompt_ids: list[int] | None = None,
-               messages: list[dict] | None = None, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self,
+        prompt: str | None = None,
+        prompt_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+        add_special_tokens: bool = True,
+    ) -> list[int]:
         """Exactly one of `prompt` (text), `prompt_ids` or `messages` (chat) is given."""
         if messages is not None:
             self.meter.check_bytes(text_bytes(messages), "messages")

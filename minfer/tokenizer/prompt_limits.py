@@ -45,9 +45,12 @@ def text_bytes(value) -> int:
 
 
 def _too_long(max_tokens: int, found: str, param: str) -> InvalidRequestError:
-    return InvalidRequestError(f"this model's maximum context length is {max_tokens + 1} tokens (prompt at most "
-                               f"{max_tokens}, leaving one for the answer), but the prompt {found}", param,
-                               "context_length_exceeded")
+    return InvalidRequestError(
+        f"this model's maximum context length is {max_tokens + 1} tokens (prompt at most "
+        f"{max_tokens}, leaving one for the answer), but the prompt {found}",
+        param,
+        "context_length_exceeded",
+    )
 
 
 class PromptMeter:
@@ -67,14 +70,20 @@ class PromptMeter:
     def check_bytes(self, nbytes: int, param: str) -> None:
         limit = self.max_prompt_bytes
         if limit is not None and nbytes > limit:
-            raise _too_long(self.max_prompt_tokens,
-                            f"is {nbytes} bytes, more than that many tokens can hold ({limit} bytes: the longest "
-                            f"token is {self.token_bytes} bytes)", param)
+            raise _too_long(
+                self.max_prompt_tokens,
+                f"is {nbytes} bytes, more than that many tokens can hold ({limit} bytes: the longest "
+                f"token is {self.token_bytes} bytes)",
+                param,
+            )
 
     def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         nbytes = text_bytes(text)
         self.check_bytes(nbytes, param)
-        if self.max_prompt_tokens is not None and nbytes > SUSPICIOUS_BYTES_PER_TOKEN * self.max_prompt_tokens:
+        if (
+            self.max_prompt_tokens is not None
+            and nbytes > SUSPICIOUS_BYTES_PER_TOKEN * self.max_prompt_tokens
+        ):
             self.count_until_over(text, param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -85,8 +94,12 @@ class PromptMeter:
             end = _cut(text, start + PIECE_CHARS)
             count += len(self.tokenizer.encode(text[start:end], add_special_tokens=False))
             if count > limit + MARGIN_TOKENS_PER_CUT * cuts:
-                raise _too_long(limit, f"has more than {count - MARGIN_TOKENS_PER_CUT * cuts} tokens in its first "
-                                f"{end} characters (of {len(text)})", param)
+                raise _too_long(
+                    limit,
+                    f"has more than {count - MARGIN_TOKENS_PER_CUT * cuts} tokens in its first "
+                    f"{end} characters (of {len(text)})",
+                    param,
+                )
             start, cuts = end, cuts + 1
 
 

@@ -31,8 +31,11 @@ def tokenizer_info(tokenizer) -> dict:
     """What /tokenizer_info serves: the tokenizer_config.json fields a remote client needs."""
     if tokenizer is None:
         return {"tokenizer_class": None}
-    info = {"tokenizer_class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
-            "chat_template": getattr(tokenizer, "chat_template", None)}
+    info = {
+        "tokenizer_class": type(tokenizer).__name__,
+        "vocab_size": len(tokenizer),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         info[name] = getattr(tokenizer, name, None)
         info[name + "_id"] = getattr(tokenizer, name + "_id", None)
@@ -85,9 +88,18 @@ class TokenizerWorker:
         prompt_text = None
         if req.echo:
             prompt_text = req.prompt if req.prompt is not None else self.token_text(ids)
-        stream = m.StreamStart(uid=req.uid, prompt_tokens=len(ids), stop=req.params.stop, prompt_text=prompt_text)
-        self.send_scheduler(m.TokenizedRequest(uid=req.uid, token_ids=ids, params=req.params,
-                                               max_tokens_auto=req.max_tokens_auto, stream=stream))
+        stream = m.StreamStart(
+            uid=req.uid, prompt_tokens=len(ids), stop=req.params.stop, prompt_text=prompt_text
+        )
+        self.send_scheduler(
+            m.TokenizedRequest(
+                uid=req.uid,
+                token_ids=ids,
+                params=req.params,
+                max_tokens_auto=req.max_tokens_auto,
+                stream=stream,
+            )
+        )
 
     def prompt_ids(self, req: m.GenerateRequest) -> list[int]:
         return self.encoder.encode(req.prompt, req.prompt_ids, req.messages, req.add_special_tokens)
@@ -134,7 +146,9 @@ def run_tokenizer_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
         log.exception("tokenizer failed to load")
         fail_start(to_api, "tokenizer", e)
     tracer = RequestTracer(config.trace_requests) if config.trace_requests else NULL_TRACER
-    worker = TokenizerWorker(tokenizer, lambda msg: send(to_scheduler, msg), lambda msg: send(to_api, msg), tracer)
+    worker = TokenizerWorker(
+        tokenizer, lambda msg: send(to_scheduler, msg), lambda msg: send(to_api, msg), tracer
+    )
     send(to_api, m.WorkerReady(role="tokenizer", pid=os.getpid(), info=tokenizer_info(tokenizer)))
     while parent_alive(parent_pid):
         for msg in recv_ready(sock, "tokenizer", timeout_ms=1000):

@@ -14,8 +14,10 @@ import argparse
 import asyncio
 import json
 
-CHUNK = (b'data: {"id":"cmpl-fake","object":"text_completion","created":0,"model":"fake","choices":'
-         b'[{"index":0,"text":" tok","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n')
+CHUNK = (
+    b'data: {"id":"cmpl-fake","object":"text_completion","created":0,"model":"fake","choices":'
+    b'[{"index":0,"text":" tok","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+)
 JSON_HEADERS = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
 SSE_HEADERS = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -38,8 +40,10 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, int
             elif path == "/tokenizer_info":
                 reply = {"vocab_size": 1000, "added_special_tokens": []}
             elif not body.get("stream"):
-                reply = {"choices": [{"index": 0, "text": " tok", "finish_reason": "length"}],
-                         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+                reply = {
+                    "choices": [{"index": 0, "text": " tok", "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                }
             else:
                 await stream(writer, body, interval)
                 continue
@@ -62,10 +66,19 @@ async def stream(writer: asyncio.StreamWriter, body: dict, interval: float) -> N
         writer.write(event)
         await writer.drain()
         await asyncio.sleep(interval)
-    usage = {"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
-                                      "total_tokens": prompt_tokens + tokens}}
-    writer.write(http_chunk(b"data: " + json.dumps(usage).encode() + b"\n\n") + http_chunk(b"data: [DONE]\n\n")
-                 + b"0\r\n\r\n")
+    usage = {
+        "choices": [],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": tokens,
+            "total_tokens": prompt_tokens + tokens,
+        },
+    }
+    writer.write(
+        http_chunk(b"data: " + json.dumps(usage).encode() + b"\n\n")
+        + http_chunk(b"data: [DONE]\n\n")
+        + b"0\r\n\r\n"
+    )
     await writer.drain()
 
 

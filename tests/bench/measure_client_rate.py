@@ -32,7 +32,14 @@ from minfer.bench.serve_client import Shard, run_shard
 
 def start_fake_server(interval: float, core: int | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, str(HERE / "fake_sse_server.py"), "--port", str(port), "--token-interval", str(interval)]
+    cmd = [
+        sys.executable,
+        str(HERE / "fake_sse_server.py"),
+        "--port",
+        str(port),
+        "--token-interval",
+        str(interval),
+    ]
     if core is not None:
         cmd = ["taskset", "-c", str(core), *cmd]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
@@ -57,8 +64,16 @@ def measure(url: str, streams: int, tokens: int, rounds: int = 2) -> dict:
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     total = sum(r.output_tokens for r in records)
-    assert all(r.ok and r.content_chunks == tokens for r in records), [r.error for r in records if not r.ok][:3]
-    return {"tokens": total, "wall_s": wall, "cpu_s": cpu, "tok_per_wall_s": total / wall, "tok_per_cpu_s": total / cpu}
+    assert all(r.ok and r.content_chunks == tokens for r in records), [r.error for r in records if not r.ok][
+        :3
+    ]
+    return {
+        "tokens": total,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "tok_per_wall_s": total / wall,
+        "tok_per_cpu_s": total / cpu,
+    }
 
 
 def main() -> None:
@@ -76,9 +91,11 @@ def main() -> None:
     finally:
         proc.kill()
         proc.wait()
-    print(f"{args.streams} streams x {args.tokens} tokens, interval {args.token_interval * 1e3:g} ms: "
-          f"{result['tok_per_wall_s']:,.0f} tok/s of wall time, {result['tok_per_cpu_s']:,.0f} tok per client "
-          f"CPU-second ({1e6 / result['tok_per_cpu_s']:.1f} us per token), load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"{args.streams} streams x {args.tokens} tokens, interval {args.token_interval * 1e3:g} ms: "
+        f"{result['tok_per_wall_s']:,.0f} tok/s of wall time, {result['tok_per_cpu_s']:,.0f} tok per client "
+        f"CPU-second ({1e6 / result['tok_per_cpu_s']:.1f} us per token), load average {os.getloadavg()[0]:.2f}"
+    )
 
 
 if __name__ == "__main__":

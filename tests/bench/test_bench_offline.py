@@ -21,20 +21,53 @@ def test_floor_of_the_standard_workload():
     """The issue's figure: 3.76 s (35,587 tok/s) for the Qwen3-0.6B shape on one H200."""
     prompts, params = make_workload()
     params_count = 596_049_920
-    floor = workload_floor(H200, params_count, 2 * params_count, 114_688, [len(p) for p in prompts],
-                           [p.max_tokens for p in params])
+    floor = workload_floor(
+        H200,
+        params_count,
+        2 * params_count,
+        114_688,
+        [len(p) for p in prompts],
+        [p.max_tokens for p in params],
+    )
     assert abs(floor.seconds - 3.76) < 0.05
-    assert floor.seconds / 2 == workload_floor(H200.times(2), params_count, 2 * params_count, 114_688,
-                                               [len(p) for p in prompts], [p.max_tokens for p in params]).seconds
+    assert (
+        floor.seconds / 2
+        == workload_floor(
+            H200.times(2),
+            params_count,
+            2 * params_count,
+            114_688,
+            [len(p) for p in prompts],
+            [p.max_tokens for p in params],
+        ).seconds
+    )
 
 
 def test_bench_runs_on_cpu(tmp_path):
     from tiny_models import save_tiny_model
 
     save_tiny_model("qwen3", tmp_path, vocab_size=10001)
-    proc = subprocess.run([sys.executable, "-m", "minfer", "bench", "offline", str(tmp_path), "--num-requests", "6",
-                           "--input-len", "40", "--output-len", "12", "--kv-cache-tokens", "2048"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "minfer",
+            "bench",
+            "offline",
+            str(tmp_path),
+            "--num-requests",
+            "6",
+            "--input-len",
+            "40",
+            "--output-len",
+            "12",
+            "--kv-cache-tokens",
+            "2048",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "throughput" in out and "floor on H200" in out and "decode throughput" in out

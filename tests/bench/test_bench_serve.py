@@ -20,11 +20,22 @@ from minfer.bench.workloads import WorkloadError, load_jsonl, random_draw
 sys.path.insert(0, os.path.dirname(__file__))
 from measure_client_rate import start_fake_server
 
-METRIC_LINES = ("Successful requests:", "Failed requests:", "Benchmark duration (s):", "Total input tokens:",
-                "Total output tokens:", "Request throughput (req/s):", "Output token throughput (tok/s):",
-                "Total token throughput (tok/s):", "Chunk/usage token mismatches:", "Goodput (req/s",
-                "TTFT (ms) mean / p50 / p90 / p99:", "TPOT (ms) mean / p50 / p90 / p99:",
-                "ITL (ms) mean / p50 / p90 / p99:", "E2E latency (ms) mean / p50 / p90 / p99:")
+METRIC_LINES = (
+    "Successful requests:",
+    "Failed requests:",
+    "Benchmark duration (s):",
+    "Total input tokens:",
+    "Total output tokens:",
+    "Request throughput (req/s):",
+    "Output token throughput (tok/s):",
+    "Total token throughput (tok/s):",
+    "Chunk/usage token mismatches:",
+    "Goodput (req/s",
+    "TTFT (ms) mean / p50 / p90 / p99:",
+    "TPOT (ms) mean / p50 / p90 / p99:",
+    "ITL (ms) mean / p50 / p90 / p99:",
+    "E2E latency (ms) mean / p50 / p90 / p99:",
+)
 
 
 # -- the math --------------------------------------------------------------------------------------
@@ -40,17 +51,27 @@ def test_distribution_of_known_values():
 
 
 def record(index, start, ttft, e2e, tokens, ok=True, chunks=None) -> RequestRecord:
-    return RequestRecord(index=index, start=start, end=start + e2e, ok=ok, error="" if ok else "x",
-                         prompt_tokens=10, output_tokens=tokens, ttft=ttft,
-                         content_chunks=tokens if chunks is None else chunks)
+    return RequestRecord(
+        index=index,
+        start=start,
+        end=start + e2e,
+        ok=ok,
+        error="" if ok else "x",
+        prompt_tokens=10,
+        output_tokens=tokens,
+        ttft=ttft,
+        content_chunks=tokens if chunks is None else chunks,
+    )
 
 
 def test_tpot_and_goodput():
-    records = [record(0, 100.0, 0.1, 1.0, 10),  # TPOT (1.0 - 0.1) / 9 = 0.1 s
-               record(1, 100.5, 0.3, 0.8, 6),  # TTFT 300 ms: misses ttft:200
-               record(2, 101.0, 0.05, 0.05, 1),  # one token: no TPOT, so only the TTFT limit applies
-               record(3, 101.0, 0.1, 1.0, 10, chunks=7),  # fewer chunks than usage tokens
-               record(4, 101.0, 0.0, 1.0, 0, ok=False)]
+    records = [
+        record(0, 100.0, 0.1, 1.0, 10),  # TPOT (1.0 - 0.1) / 9 = 0.1 s
+        record(1, 100.5, 0.3, 0.8, 6),  # TTFT 300 ms: misses ttft:200
+        record(2, 101.0, 0.05, 0.05, 1),  # one token: no TPOT, so only the TTFT limit applies
+        record(3, 101.0, 0.1, 1.0, 10, chunks=7),  # fewer chunks than usage tokens
+        record(4, 101.0, 0.0, 1.0, 0, ok=False),
+    ]
     assert records[0].tpot == pytest.approx(0.1)
     assert records[2].tpot is None
     slo = parse_slo("ttft:200,tpot:150")
@@ -92,10 +113,13 @@ def test_jsonl_errors_name_the_line(tmp_path):
     path.write_text('{"prompt": "hi", "max_tokens": 3}\n\n{"prompt": [1, 2]}\n')
     got = load_jsonl(path, 9, chat=False)
     assert [(r.prompt, r.max_tokens) for r in got] == [("hi", 3), ([1, 2], 9)]
-    for line, message in [('{"max_tokens": 3}', "line 2: give exactly one of prompt and messages"),
-                          ('{"prompt": "x", "max_tokens": 0}', "line 2: max_tokens must be a positive"),
-                          ('[1]', "line 2: expected a JSON object"), ('{"prompt": ', "line 2: not JSON"),
-                          ('{"prompt": ""}', "line 2: prompt must be")]:
+    for line, message in [
+        ('{"max_tokens": 3}', "line 2: give exactly one of prompt and messages"),
+        ('{"prompt": "x", "max_tokens": 0}', "line 2: max_tokens must be a positive"),
+        ("[1]", "line 2: expected a JSON object"),
+        ('{"prompt": ', "line 2: not JSON"),
+        ('{"prompt": ""}', "line 2: prompt must be"),
+    ]:
         path.write_text('{"prompt": "ok"}\n' + line + "\n")
         with pytest.raises(WorkloadError, match=message):
             load_jsonl(path, 9, chat=False)
@@ -138,7 +162,9 @@ def test_client_times_every_chunk(fake_server):
 
 def test_sharded_run_merges_records(fake_server):
     body = b'{"prompt": [1], "max_tokens": 5, "stream": true}'
-    shard = Shard(fake_server + "/v1/completions", [body] * 9, [0.01 * i for i in range(9)], list(range(9)), 3)
+    shard = Shard(
+        fake_server + "/v1/completions", [body] * 9, [0.01 * i for i in range(9)], list(range(9)), 3
+    )
     progress = []
     records = run_sharded(shard, 3, lambda: progress.append(1))
     assert [r.index for r in records] == list(range(9)) and len(progress) == 9
@@ -154,18 +180,29 @@ def test_connection_errors_are_recorded():
 # -- the command against a real server -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(["--max-model-len", "1024", "--kv-cache-tokens", "4096"],
-                 tmp_path_factory.mktemp("logs") / "server.log", env={"OMP_NUM_THREADS": "1"})
+    srv = Server(
+        ["--max-model-len", "1024", "--kv-cache-tokens", "4096"],
+        tmp_path_factory.mktemp("logs") / "server.log",
+        env={"OMP_NUM_THREADS": "1"},
+    )
     yield srv
     assert srv.stop() == 0
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "minfer", "bench", "serve", *args], capture_output=True,
-                          text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-m", "minfer", "bench", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
-def check_run(proc: subprocess.CompletedProcess, json_path, num_prompts: int, output_tokens: int | None) -> dict:
+def check_run(
+    proc: subprocess.CompletedProcess, json_path, num_prompts: int, output_tokens: int | None
+) -> dict:
     assert proc.returncode == 0, proc.stderr[-2000:]
     for line in METRIC_LINES:
         assert line in proc.stdout, line
@@ -182,7 +219,9 @@ def check_run(proc: subprocess.CompletedProcess, json_path, num_prompts: int, ou
         assert 0 < d["p50"] <= d["p90"] <= d["p99"] <= d["max"], (key, d)
     assert out["ttft_ms"]["max"] < out["e2e_ms"]["max"]
     assert out["request_throughput"] == pytest.approx(num_prompts / out["duration_s"])
-    assert out["chunk_token_mismatches"] == sum(r["content_chunks"] != r["output_tokens"] for r in out["requests"])
+    assert out["chunk_token_mismatches"] == sum(
+        r["content_chunks"] != r["output_tokens"] for r in out["requests"]
+    )
     return out
 
 
@@ -190,9 +229,31 @@ def check_run(proc: subprocess.CompletedProcess, json_path, num_prompts: int, ou
 def test_random_workload(server, tmp_path, endpoint):
     path = tmp_path / "out.json"
     hits_before = server.info()["stats"]["prefix_hit_tokens"]
-    proc = bench("--base-url", server.url, "--endpoint", endpoint, "--num-prompts", "8", "--input-len", "16",
-                 "--output-len", "8", "--max-concurrency", "4", "--ignore-eos", "--request-rate", "50",
-                 "--slo", "ttft:60000,tpot:60000", "--output-json", str(path), "--seed", "11", "--num-warmups", "2")
+    proc = bench(
+        "--base-url",
+        server.url,
+        "--endpoint",
+        endpoint,
+        "--num-prompts",
+        "8",
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+        "--max-concurrency",
+        "4",
+        "--ignore-eos",
+        "--request-rate",
+        "50",
+        "--slo",
+        "ttft:60000,tpot:60000",
+        "--output-json",
+        str(path),
+        "--seed",
+        "11",
+        "--num-warmups",
+        "2",
+    )
     out = check_run(proc, path, 8, 8 * 8)
     assert out["good_requests"] == 8 and out["config"]["endpoint"] == endpoint
     assert "2 warm-up requests (not timed)" in proc.stdout
@@ -205,37 +266,67 @@ def test_random_workload(server, tmp_path, endpoint):
 
 def test_jsonl_dataset_sharded(server, tmp_path):
     data = tmp_path / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps(row) for row in [
-        {"prompt": "The capital of France is", "max_tokens": 5}, {"prompt": "One, two, three,"},
-        {"prompt": [504, 3458, 314], "max_tokens": 3}]) + "\n")
+    data.write_text(
+        "\n".join(
+            json.dumps(row)
+            for row in [
+                {"prompt": "The capital of France is", "max_tokens": 5},
+                {"prompt": "One, two, three,"},
+                {"prompt": [504, 3458, 314], "max_tokens": 3},
+            ]
+        )
+        + "\n"
+    )
     path = tmp_path / "out.json"
-    proc = bench("--base-url", server.url, "--dataset", str(data), "--output-len", "6", "--ignore-eos",
-                 "--max-concurrency", "2", "--client-processes", "2", "--slo", "e2e:60000",
-                 "--output-json", str(path))
+    proc = bench(
+        "--base-url",
+        server.url,
+        "--dataset",
+        str(data),
+        "--output-len",
+        "6",
+        "--ignore-eos",
+        "--max-concurrency",
+        "2",
+        "--client-processes",
+        "2",
+        "--slo",
+        "e2e:60000",
+        "--output-json",
+        str(path),
+    )
     out = check_run(proc, path, 3, 5 + 6 + 3)
     assert out["prompt_tokens"] == sum(r["prompt_tokens"] for r in out["requests"])
     assert [r["output_tokens"] for r in out["requests"]] == [5, 6, 3]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--num-prompts", "0"], "argument --num-prompts: must be >= 1"),
-    (["--request-rate", "fast"], "argument --request-rate: expected a number"),
-    (["--request-rate", "-1"], "argument --request-rate: must be > 0"),
-    (["--endpoint", "embeddings"], "argument --endpoint: invalid choice"),
-    (["--slo", "ttft=5"], "--slo: 'ttft=5' is not NAME:MS"),
-    (["--range-ratio", "1.5"], "--range-ratio must be in [0, 1)"),
-    (["--workload", "random", "--dataset", "x.jsonl"], "give --workload or --dataset, not both"),
-    (["--dataset", "/nonexistent.jsonl"], "cannot read --dataset /nonexistent.jsonl"),
-    (["--max-concurrency", "2", "--client-processes", "3"], "--client-processes 3 exceeds --max-concurrency 2"),
-    (["--base-url", "http://127.0.0.1:1"], "cannot reach http://127.0.0.1:1/"),
-    (["--num-warmups", "-1"], "--num-warmups must be >= 0"),
-    (["--output-json", "/nonexistent/out.json"], "cannot write --output-json /nonexistent/out.json"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-prompts", "0"], "argument --num-prompts: must be >= 1"),
+        (["--request-rate", "fast"], "argument --request-rate: expected a number"),
+        (["--request-rate", "-1"], "argument --request-rate: must be > 0"),
+        (["--endpoint", "embeddings"], "argument --endpoint: invalid choice"),
+        (["--slo", "ttft=5"], "--slo: 'ttft=5' is not NAME:MS"),
+        (["--range-ratio", "1.5"], "--range-ratio must be in [0, 1)"),
+        (["--workload", "random", "--dataset", "x.jsonl"], "give --workload or --dataset, not both"),
+        (["--dataset", "/nonexistent.jsonl"], "cannot read --dataset /nonexistent.jsonl"),
+        (
+            ["--max-concurrency", "2", "--client-processes", "3"],
+            "--client-processes 3 exceeds --max-concurrency 2",
+        ),
+        (["--base-url", "http://127.0.0.1:1"], "cannot reach http://127.0.0.1:1/"),
+        (["--num-warmups", "-1"], "--num-warmups must be >= 0"),
+        (["--output-json", "/nonexistent/out.json"], "cannot write --output-json /nonexistent/out.json"),
+    ],
+)
 def test_bad_flags_give_one_error_line(flags, message):
     proc = bench(*flags)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("minfer bench serve: error: ") and message in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith("minfer bench serve: error: ") and message in lines[0], (
+        lines
+    )
 
 
 def test_wrong_model_name_is_one_line(server):
@@ -246,7 +337,11 @@ def test_wrong_model_name_is_one_line(server):
 
 
 def test_no_torch_in_the_client():
-    code = ("import sys; from minfer.cli import build_parser; build_parser(); import minfer.bench.serve, "
-            "minfer.bench.serve_client, minfer.bench.serve_metrics, minfer.bench.workloads; "
-            "assert 'torch' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import sys; from minfer.cli import build_parser; build_parser(); import minfer.bench.serve, "
+        "minfer.bench.serve_client, minfer.bench.serve_metrics, minfer.bench.workloads; "
+        "assert 'torch' not in sys.modules"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )

@@ -49,8 +49,13 @@ def _allreduce_worker(rank: int, port: int, out_path: str) -> None:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        device_id=torch.device("cuda", rank),
+    )
     results = {"decode_step": [], "bus_bandwidth": [], "gather": []}
     bf16 = torch.bfloat16
     for batch in (1, 8, 64, 256):
@@ -78,10 +83,15 @@ def _allreduce_worker(rank: int, port: int, out_path: str) -> None:
         except Exception as e:  # noqa: BLE001 - report, keep measuring
             results.setdefault("errors", []).append(f"graph capture B={batch}: {e}")
         nbytes = x.numel() * x.element_size()
-        results["decode_step"].append({"batch": batch, "bytes_per_allreduce": nbytes,
-                                       "eager_ms_per_step": eager * 1e3,
-                                       "graph_ms_per_step": graph_s * 1e3 if graph_s else None,
-                                       "us_per_allreduce_graph": graph_s / ALLREDUCES_PER_STEP * 1e6 if graph_s else None})
+        results["decode_step"].append(
+            {
+                "batch": batch,
+                "bytes_per_allreduce": nbytes,
+                "eager_ms_per_step": eager * 1e3,
+                "graph_ms_per_step": graph_s * 1e3 if graph_s else None,
+                "us_per_allreduce_graph": graph_s / ALLREDUCES_PER_STEP * 1e6 if graph_s else None,
+            }
+        )
     for mib in (1, 16, 256, 1024):
         x = torch.empty(mib << 19, dtype=bf16, device="cuda").normal_()
         dist.all_reduce(x)
@@ -97,8 +107,14 @@ def _allreduce_worker(rank: int, port: int, out_path: str) -> None:
         gathered_tokens = torch.empty(2 * batch, 2, dtype=torch.int64, device="cuda")
         t_logits = _timed(lambda out=gathered, x=logits: dist.all_gather_into_tensor(out, x), 20)
         t_tokens = _timed(lambda out=gathered_tokens, x=tokens: dist.all_gather_into_tensor(out, x), 20)
-        results["gather"].append({"batch": batch, "logits_MiB": logits.numel() * 2 / 2**20,
-                                  "logits_us": t_logits * 1e6, "sampled_tokens_us": t_tokens * 1e6})
+        results["gather"].append(
+            {
+                "batch": batch,
+                "logits_MiB": logits.numel() * 2 / 2**20,
+                "logits_us": t_logits * 1e6,
+                "sampled_tokens_us": t_tokens * 1e6,
+            }
+        )
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
@@ -137,7 +153,9 @@ def watchdog(stage: str, limit_s: float):
             return
         print(f"==== {stage}: still running after {limit_s:.0f} s; stacks follow", flush=True)
         faulthandler.dump_traceback(all_threads=True)
-        children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+        children = subprocess.run(
+            ["pgrep", "-P", str(os.getpid())], capture_output=True, text=True
+        ).stdout.split()
         for pid in children:
             os.kill(int(pid), signal.SIGABRT)
         time.sleep(3)
@@ -157,8 +175,14 @@ def _generate_both(path, prompts, params, device, dtype, tp, graphs, rows):
 
     from minfer import LLM
 
-    options = {"device": device, "dtype": dtype, "tp": tp, "kv_cache_tokens": 8192,
-               "chunked_prefill_size": 64, "log_level": "warning"}
+    options = {
+        "device": device,
+        "dtype": dtype,
+        "tp": tp,
+        "kv_cache_tokens": 8192,
+        "chunked_prefill_size": 64,
+        "log_level": "warning",
+    }
     try:
         llm = LLM(path, cuda_graph_max_bs=graphs, **options)
     except Exception as e:  # noqa: BLE001 - say so, and go on without graphs
@@ -182,7 +206,9 @@ def parity(out_dir: str, device: str) -> None:
 
     from minfer import SamplingParams
 
-    prompts = [[(i * 7 + j * 13) % 250 for j in range(n)] for i, n in enumerate([5, 70, 17, 1, 33, 300, 2, 129])]
+    prompts = [
+        [(i * 7 + j * 13) % 250 for j in range(n)] for i, n in enumerate([5, 70, 17, 1, 33, 300, 2, 129])
+    ]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
     rows = []
@@ -196,12 +222,15 @@ def parity(out_dir: str, device: str) -> None:
             for tp in (1, 2):
                 start = time.time()
                 with watchdog(f"{arch} kv_heads={kv_heads} {dtype} tp={tp}: start, generate, shut down", 150):
-                    outs[tp], steps, graphs = _generate_both(path, prompts, (greedy, sampled), device, dtype, tp,
-                                                             graphs, rows)
+                    outs[tp], steps, graphs = _generate_both(
+                        path, prompts, (greedy, sampled), device, dtype, tp, graphs, rows
+                    )
                 seconds = time.time() - start
             same = sum(a == b for a, b in zip(outs[1], outs[2]))
-            rows.append(f"parity {arch:8s} kv_heads={kv_heads} {dtype:9s} graphs={graphs} tp2 vs tp1: {same}/{len(outs[1])} sequences "
-                        f"equal (greedy + seeded); {steps} tp2 steps token-checked across ranks; {seconds:.0f} s")
+            rows.append(
+                f"parity {arch:8s} kv_heads={kv_heads} {dtype:9s} graphs={graphs} tp2 vs tp1: {same}/{len(outs[1])} sequences "
+                f"equal (greedy + seeded); {steps} tp2 steps token-checked across ranks; {seconds:.0f} s"
+            )
             print(rows[-1], flush=True)
     with open(os.path.join(out_dir, "parity.txt"), "w") as f:
         f.write("\n".join(rows) + "\n")
@@ -260,12 +289,15 @@ def profile_decode(llm, make_workload, out_dir: str, running: int, steps: int = 
         gpu_us += device_us
         if "nccl" in evt.key.lower():
             nccl_us += device_us
-    line = (f"decode profile, tp={llm.engine.tp.size}, {len(sched.running)} running: {per_step * 1e3:.2f} ms/step wall, "
-            f"GPU kernels {gpu_us / steps / 1e3:.2f} ms/step, of which NCCL {nccl_us / steps / 1e3:.2f} ms/step "
-            f"({ALLREDUCES_PER_STEP} all-reduces + 1 logits all-gather per step)")
+    line = (
+        f"decode profile, tp={llm.engine.tp.size}, {len(sched.running)} running: {per_step * 1e3:.2f} ms/step wall, "
+        f"GPU kernels {gpu_us / steps / 1e3:.2f} ms/step, of which NCCL {nccl_us / steps / 1e3:.2f} ms/step "
+        f"({ALLREDUCES_PER_STEP} all-reduces + 1 logits all-gather per step)"
+    )
     print(line)
-    table = prof.key_averages().table(sort_by="self_device_time_total" if on_cuda else "self_cpu_time_total",
-                                      row_limit=15)
+    table = prof.key_averages().table(
+        sort_by="self_device_time_total" if on_cuda else "self_cpu_time_total", row_limit=15
+    )
     print(table)
     with open(os.path.join(out_dir, "profile.txt"), "w") as f:
         f.write(line + "\n" + table)

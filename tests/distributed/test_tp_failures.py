@@ -61,7 +61,11 @@ def test_rank_fails_mid_generation(model, monkeypatch, rank):
     before = children()
     llm = LLM(model, tp=2, log_level="warning")
     start = time.monotonic()
-    expected = r"tensor-parallel rank 1 \(pid \d+\) exited with code 1" if rank == 1 else "failed on rank 0: .*injected fault"
+    expected = (
+        r"tensor-parallel rank 1 \(pid \d+\) exited with code 1"
+        if rank == 1
+        else "failed on rank 0: .*injected fault"
+    )
     with pytest.raises(TensorParallelError, match=expected):
         llm.generate([[1, 2, 3], [4, 5]], PARAMS, use_tqdm=False)
     assert time.monotonic() - start < 10

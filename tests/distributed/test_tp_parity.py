@@ -51,8 +51,9 @@ def model_dir(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("mistral", 2),
-                                           ("llama", 1), ("qwen3", 1)])
+@pytest.mark.parametrize(
+    "arch,kv_heads", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("mistral", 2), ("llama", 1), ("qwen3", 1)]
+)
 def test_tp2_matches_tp1(model_dir, arch, kv_heads):
     """kv_heads=2: one KV head per rank; kv_heads=1: the KV head is replicated on both ranks."""
     path, batch = model_dir(arch, kv_heads), prompts()
@@ -102,8 +103,10 @@ def test_two_nodes_same_code_path(model_dir, tmp_path):
     path, batch = model_dir("qwen3", 2), prompts()
     expected, _ = run(path, batch)
     addr = free_local_addr()
-    code = (f"from minfer import LLM; LLM({path!r}, tp=2, nnodes=2, node_rank=1, dist_init_addr={addr!r}, "
-            f"log_level='warning')")
+    code = (
+        f"from minfer import LLM; LLM({path!r}, tp=2, nnodes=2, node_rank=1, dist_init_addr={addr!r}, "
+        f"log_level='warning')"
+    )
     node1 = subprocess.Popen([sys.executable, "-c", code])
     try:
         got, _ = run(path, batch, tp=2, nnodes=2, node_rank=0, dist_init_addr=addr)
@@ -117,10 +120,12 @@ def test_traceback_rank_prefix_once_after_several_tp_jobs(model_dir):
     """torch prefixes '[rank0]: ' to traceback lines at every process-group init; two TP jobs in
     one process must not make it '[rank0]: [rank0]: '."""
     path = model_dir("llama", 2)
-    code = (f"from minfer import LLM\n"
-            f"for _ in range(2):\n"
-            f"    LLM({path!r}, tp=2, log_level='warning').shutdown()\n"
-            f"raise RuntimeError('after two TP jobs')\n")
+    code = (
+        f"from minfer import LLM\n"
+        f"for _ in range(2):\n"
+        f"    LLM({path!r}, tp=2, log_level='warning').shutdown()\n"
+        f"raise RuntimeError('after two TP jobs')\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 1
     assert "[rank0]: RuntimeError: after two TP jobs" in proc.stderr, proc.stderr[-2000:]

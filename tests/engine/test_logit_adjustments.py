@@ -16,11 +16,13 @@ VOCAB = 32
 
 def reference(logits: torch.Tensor, req: Req) -> torch.Tensor:
     p, out = req.params, logits.clone()
-    history = req.token_ids[:req.device_len]
-    output = history[req.prompt_len:]
+    history = req.token_ids[: req.device_len]
+    output = history[req.prompt_len :]
     for token in set(history):
         if p.repetition_penalty != 1:
-            out[token] = out[token] / p.repetition_penalty if out[token] > 0 else out[token] * p.repetition_penalty
+            out[token] = (
+                out[token] / p.repetition_penalty if out[token] > 0 else out[token] * p.repetition_penalty
+            )
     for token in set(output):
         out[token] -= p.frequency_penalty * output.count(token) + p.presence_penalty
     for token, bias in p.logit_bias.items():
@@ -75,7 +77,9 @@ def test_offline_prompt_and_sampled_logprobs(tiny):
     got = out.prompt_logprobs.logprobs[1:] + out.logprobs.logprobs
     assert out.prompt_logprobs.logprobs[0] is None and out.prompt_logprobs.token_ids == prompt
     assert torch.allclose(torch.tensor(got), expected, atol=1e-4)
-    for i, (ids, values) in enumerate(zip(out.prompt_logprobs.top_ids[1:], out.prompt_logprobs.top_logprobs[1:])):
+    for i, (ids, values) in enumerate(
+        zip(out.prompt_logprobs.top_ids[1:], out.prompt_logprobs.top_logprobs[1:])
+    ):
         top = ref[i].topk(3)
         assert ids == top.indices.tolist() and torch.allclose(torch.tensor(values), top.values, atol=1e-4)
     assert all(len(ids) == 2 for ids in out.logprobs.top_ids)

@@ -9,7 +9,10 @@ from tiny_models import save_tiny_model
 
 from minfer.core import SamplingParams
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def test_logprobs_and_adjustments_on_cuda(tmp_path):
@@ -30,7 +33,9 @@ def test_logprobs_and_adjustments_on_cuda(tmp_path):
     first = outs[0]
     full = prompt + first.token_ids
     with torch.no_grad():
-        ref = torch.log_softmax(hf.cuda()(torch.tensor([full], device="cuda")).logits[0].float(), dim=-1).cpu()
+        ref = torch.log_softmax(
+            hf.cuda()(torch.tensor([full], device="cuda")).logits[0].float(), dim=-1
+        ).cpu()
     expected = ref[torch.arange(len(full) - 1), torch.tensor(full[1:])]
     got = torch.tensor(first.prompt_logprobs.logprobs[1:] + first.logprobs.logprobs)
     assert torch.allclose(got, expected, atol=2e-3), (got - expected).abs().max()

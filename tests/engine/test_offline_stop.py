@@ -16,10 +16,12 @@ def test_stop_string_ends_the_request_and_cuts_the_text(llm):
     prompt = "Count: one, two, three,"
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     assert "five" in free.text and free.finish_reason == "length"
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=["five"]), use_tqdm=False)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=["five"]), use_tqdm=False)[
+        0
+    ]
     assert out.finish_reason == "stop"
-    assert out.text == free.text[:free.text.index("five")]
-    assert free.token_ids[:len(out.token_ids)] == out.token_ids and len(out.token_ids) < 24
+    assert out.text == free.text[: free.text.index("five")]
+    assert free.token_ids[: len(out.token_ids)] == out.token_ids and len(out.token_ids) < 24
     while llm.scheduler.has_work:  # a pass launched before the stop was seen (overlap mode)
         llm.scheduler.step()
     assert llm.scheduler.kv.used_pages == 0

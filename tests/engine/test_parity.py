@@ -22,10 +22,16 @@ def test_greedy_matches_transformers(tiny_model, page_size, overlap):
     prompts = _prompts(1, [5, 70, 17, 1, 33])
     max_tokens = 12
     expected = [hf_greedy(hf, p, max_tokens) for p in prompts]
-    llm = LLM(path, page_size=page_size, chunked_prefill_size=24, kv_cache_tokens=1024,
-              disable_overlap_schedule=not overlap)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                        use_tqdm=False)
+    llm = LLM(
+        path,
+        page_size=page_size,
+        chunked_prefill_size=24,
+        kv_cache_tokens=1024,
+        disable_overlap_schedule=not overlap,
+    )
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
+    )
     for out, exp in zip(outs, expected):
         assert out.token_ids == exp
         assert out.finish_reason == "length"

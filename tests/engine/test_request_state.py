@@ -70,7 +70,9 @@ def test_overlap_final_state_and_slots(tmp_path):
     save_tiny_model("llama", tmp_path)
     llm = LLM(str(tmp_path), kv_cache_tokens=256, cache="naive")
     sched = llm.scheduler
-    probe = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    probe = llm.generate(
+        [[3, 4, 5]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
     stop_at = probe[0].token_ids[2]
     req = sched.add_request([3, 4, 5], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_at]))
     while sched.has_work:

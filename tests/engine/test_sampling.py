@@ -24,8 +24,9 @@ def test_seed_reproducible_across_batches(llm):
     alone = llm.generate([target], [p], use_tqdm=False)[0].token_ids
     others = [[1, 2], [9, 9, 9, 9, 9, 9], [100] * 30]
     other_params = [SamplingParams(temperature=0.7, max_tokens=n, ignore_eos=True) for n in (3, 20, 7)]
-    mixed = llm.generate(others[:2] + [target] + others[2:], other_params[:2] + [p] + other_params[2:],
-                         use_tqdm=False)
+    mixed = llm.generate(
+        others[:2] + [target] + others[2:], other_params[:2] + [p] + other_params[2:], use_tqdm=False
+    )
     assert mixed[2].token_ids == alone
     different_seed = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=99, ignore_eos=True)
     assert llm.generate([target], [different_seed], use_tqdm=False)[0].token_ids != alone
@@ -42,14 +43,20 @@ def test_noise_is_uniform_and_keyed():
 
 
 def _tensors(params, vocab):
-    return SamplingTensors.build(params, list(range(len(params))), [0] * len(params), vocab, torch.device("cpu"))
+    return SamplingTensors.build(
+        params, list(range(len(params))), [0] * len(params), vocab, torch.device("cpu")
+    )
 
 
 def test_filters_restrict_support():
     torch.manual_seed(0)
     logits = torch.randn(4, 100)
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=3),
-              SamplingParams(temperature=1.0, top_p=0.05), SamplingParams(temperature=1.0, min_p=0.9)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.05),
+        SamplingParams(temperature=1.0, min_p=0.9),
+    ]
     top3 = logits[1].topk(3).indices.tolist()
     for seed in range(50):
         st = SamplingTensors.build(params, [seed] * 4, [seed] * 4, 100, torch.device("cpu"))
@@ -57,12 +64,16 @@ def test_filters_restrict_support():
         assert out[0] == logits[0].argmax().item()
         assert out[1] in top3
         assert out[2] == logits[2].argmax().item()  # top-p this small keeps only the best token
-        assert out[3] == logits[3].argmax().item() or logits[3].softmax(-1)[out[3]] >= 0.9 * logits[3].softmax(-1).max()
+        assert (
+            out[3] == logits[3].argmax().item()
+            or logits[3].softmax(-1)[out[3]] >= 0.9 * logits[3].softmax(-1).max()
+        )
 
 
 def test_sampled_distribution_matches_softmax():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(4000, 1)
-    st = SamplingTensors.build([SamplingParams(temperature=1.0)] * 4000, list(range(4000)), [0] * 4000, 4,
-                               torch.device("cpu"))
+    st = SamplingTensors.build(
+        [SamplingParams(temperature=1.0)] * 4000, list(range(4000)), [0] * 4000, 4, torch.device("cpu")
+    )
     counts = torch.bincount(sample(logits, st), minlength=4).float() / 4000
     assert torch.allclose(counts, logits[0].softmax(-1), atol=0.03)

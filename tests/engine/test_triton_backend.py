@@ -35,8 +35,18 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("arch,page_size", [("qwen3", 1), ("llama", 16)])
 def test_triton_matches_torch_greedy(tmp_path, arch, page_size):
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, arch, str(tmp_path), str(page_size)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, arch, str(tmp_path), str(page_size)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

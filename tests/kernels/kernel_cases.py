@@ -23,9 +23,17 @@ class PagedBatch:
     table_idx_cpu: list[int]
 
 
-def make_paged_batch(prefix_lens: list[int], extend_lens: list[int], num_kv_heads: int, head_dim: int,
-                     page_size: int, dtype: torch.dtype, device: torch.device, generator: torch.Generator,
-                     table_width: int | None = None) -> PagedBatch:
+def make_paged_batch(
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    generator: torch.Generator,
+    table_width: int | None = None,
+) -> PagedBatch:
     """Pages of every request are taken from a shuffled list of all pages, so consecutive pages
     of one request are far apart in the pool; each request gets a random page-table row."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -36,10 +44,10 @@ def make_paged_batch(prefix_lens: list[int], extend_lens: list[int], num_kv_head
     width = table_width or max(seq_lens) + 7
     rows = len(seq_lens) + 3
     page_table = torch.zeros((rows, width), dtype=torch.int32)
-    table_idx = torch.randperm(rows, generator=generator)[:len(seq_lens)]
+    table_idx = torch.randperm(rows, generator=generator)[: len(seq_lens)]
     used = 0
     for row, seq, npages in zip(table_idx.tolist(), seq_lens, pages_per_req):
-        pages = order[used:used + npages]
+        pages = order[used : used + npages]
         used += npages
         slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)
         page_table[row, :seq] = slots[:seq].to(torch.int32)
@@ -58,14 +66,22 @@ def make_paged_batch(prefix_lens: list[int], extend_lens: list[int], num_kv_head
         return torch.tensor(values, dtype=torch.int32, device=device)
 
     return PagedBatch(
-        k_pool=k_pool.to(device), v_pool=v_pool.to(device), page_table=page_table.to(device),
-        table_idx=table_idx.to(torch.int32).to(device), prefix_lens=ints(prefix_lens),
+        k_pool=k_pool.to(device),
+        v_pool=v_pool.to(device),
+        page_table=page_table.to(device),
+        table_idx=table_idx.to(torch.int32).to(device),
+        prefix_lens=ints(prefix_lens),
         seq_lens=ints(seq_lens),
-        cu_extend_lens=ints(cu), prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=list(extend_lens),
+        cu_extend_lens=ints(cu),
+        prefix_lens_cpu=list(prefix_lens),
+        extend_lens_cpu=list(extend_lens),
         table_idx_cpu=table_idx.tolist(),
     )
 
 
 def tolerance(dtype: torch.dtype) -> dict:
-    return {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-            torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}[dtype]
+    return {
+        torch.float32: dict(atol=1e-5, rtol=1e-5),
+        torch.float16: dict(atol=2e-3, rtol=2e-3),
+        torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    }[dtype]

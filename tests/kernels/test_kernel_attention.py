@@ -22,8 +22,9 @@ def _generator(*key) -> torch.Generator:
 
 def _decode_case(group, head_dim, page_size, dtype, device, seq_lens, num_kv_heads=2):
     gen = _generator(group, head_dim, page_size, str(dtype), tuple(seq_lens))
-    batch = make_paged_batch([s - 1 for s in seq_lens], [1] * len(seq_lens), num_kv_heads, head_dim,
-                             page_size, dtype, device, gen)
+    batch = make_paged_batch(
+        [s - 1 for s in seq_lens], [1] * len(seq_lens), num_kv_heads, head_dim, page_size, dtype, device, gen
+    )
     q = torch.randn((len(seq_lens), num_kv_heads * group, head_dim), generator=gen).to(dtype).to(device)
     return batch, q
 
@@ -38,7 +39,7 @@ def _decode_args(batch, q, scale):
 def test_decode_matches_reference(group, head_dim, page_size, device):
     dtype = torch.bfloat16
     batch, q = _decode_case(group, head_dim, page_size, dtype, device, [1, 37, 130, 64])
-    args = _decode_args(batch, q, head_dim ** -0.5)
+    args = _decode_args(batch, q, head_dim**-0.5)
     expected = decode_attention_reference(*args)
     for num_splits in (1, 3):
         out = decode_attention(*args, num_splits=num_splits)
@@ -80,14 +81,31 @@ def _extend_case(group, head_dim, page_size, dtype, device, prefix_lens, extend_
 
 
 def _run_extend(batch, q, scale):
-    return extend_attention(q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx,
-                            batch.prefix_lens, batch.seq_lens, batch.cu_extend_lens,
-                            max(batch.extend_lens_cpu), scale)
+    return extend_attention(
+        q,
+        batch.k_pool,
+        batch.v_pool,
+        batch.page_table,
+        batch.table_idx,
+        batch.prefix_lens,
+        batch.seq_lens,
+        batch.cu_extend_lens,
+        max(batch.extend_lens_cpu),
+        scale,
+    )
 
 
 def _extend_reference(batch, q, scale):
-    return extend_attention_reference(q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx,
-                                      batch.prefix_lens, batch.seq_lens, scale)
+    return extend_attention_reference(
+        q,
+        batch.k_pool,
+        batch.v_pool,
+        batch.page_table,
+        batch.table_idx,
+        batch.prefix_lens,
+        batch.seq_lens,
+        scale,
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -97,7 +115,7 @@ def test_extend_matches_reference(group, head_dim, page_size, device):
     dtype = torch.bfloat16
     # prefix 0 (plain prefill), prefix > 0 (cached prefix), one-token extend, extends over blocks
     batch, q = _extend_case(group, head_dim, page_size, dtype, device, [0, 21, 40, 3], [19, 1, 35, 6])
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     expected = _extend_reference(batch, q, scale)
     torch.testing.assert_close(_run_extend(batch, q, scale), expected, **tolerance(dtype))
 
@@ -111,8 +129,9 @@ def test_extend_dtypes(dtype, device):
 
 
 def _context(batch, is_decode, num_kv_heads, head_dim, dtype, device) -> ForwardContext:
-    meta = build_metadata(batch.table_idx_cpu, batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.page_table,
-                          is_decode, device)
+    meta = build_metadata(
+        batch.table_idx_cpu, batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.page_table, is_decode, device
+    )
     pool = KVPool(1, batch.k_pool.shape[0] - 1, num_kv_heads, head_dim, 1, dtype, device)
     pool.k[0], pool.v[0] = batch.k_pool, batch.v_pool
     return ForwardContext(attn=meta, kv_pool=pool, backend=TritonAttentionBackend(), out_loc=torch.empty(0))
@@ -124,11 +143,12 @@ def test_backend_matches_torch_backend(is_decode, device):
     if is_decode:
         batch, q = _decode_case(2, head_dim, 16, dtype, device, [12, 70, 33], num_kv_heads=num_kv_heads)
     else:
-        batch, q = _extend_case(2, head_dim, 16, dtype, device, [0, 30, 5], [11, 4, 20],
-                                num_kv_heads=num_kv_heads)
+        batch, q = _extend_case(
+            2, head_dim, 16, dtype, device, [0, 30, 5], [11, 4, 20], num_kv_heads=num_kv_heads
+        )
     ctx = _context(batch, is_decode, num_kv_heads, head_dim, dtype, device)
-    out = TritonAttentionBackend().forward(q, 0, ctx, head_dim ** -0.5)
-    expected = TorchAttentionBackend().forward(q, 0, ctx, head_dim ** -0.5)
+    out = TritonAttentionBackend().forward(q, 0, ctx, head_dim**-0.5)
+    expected = TorchAttentionBackend().forward(q, 0, ctx, head_dim**-0.5)
     torch.testing.assert_close(out, expected, **tolerance(dtype))
 
 
@@ -137,9 +157,10 @@ def test_backend_matches_torch_backend(is_decode, device):
 def test_decode_long_context_gpu(num_heads, num_kv_heads):
     device = torch.device("cuda")
     seq_lens = [40_000, 1, 2048, 17_001]
-    batch, q = _decode_case(num_heads // num_kv_heads, 128, 16, torch.bfloat16, device, seq_lens,
-                            num_kv_heads=num_kv_heads)
-    args = _decode_args(batch, q, 128 ** -0.5)
+    batch, q = _decode_case(
+        num_heads // num_kv_heads, 128, 16, torch.bfloat16, device, seq_lens, num_kv_heads=num_kv_heads
+    )
+    args = _decode_args(batch, q, 128**-0.5)
     expected = decode_attention_reference(*args)
     torch.testing.assert_close(decode_attention(*args), expected, atol=1e-2, rtol=1e-2)
 
@@ -149,18 +170,20 @@ def test_decode_cuda_graph_replay_sees_new_lengths():
     """Capture once, then change lengths and page table in place: the replay must follow them."""
     device = torch.device("cuda")
     gen = _generator("graph")
-    batch = make_paged_batch([99, 4000, 17], [1, 1, 1], 8, 128, 16, torch.bfloat16, device, gen,
-                             table_width=8192)
+    batch = make_paged_batch(
+        [99, 4000, 17], [1, 1, 1], 8, 128, 16, torch.bfloat16, device, gen, table_width=8192
+    )
     q = torch.randn((3, 16, 128), generator=gen).to(torch.bfloat16).to(device)
-    args = _decode_args(batch, q, 128 ** -0.5)
+    args = _decode_args(batch, q, 128**-0.5)
     out = decode_attention(*args)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = decode_attention(*args)
     batch.seq_lens.copy_(torch.tensor([3000, 50, 8000], dtype=torch.int32))
-    batch.page_table.copy_(torch.randint(0, batch.k_pool.shape[0], batch.page_table.shape, generator=gen,
-                                         dtype=torch.int32))
+    batch.page_table.copy_(
+        torch.randint(0, batch.k_pool.shape[0], batch.page_table.shape, generator=gen, dtype=torch.int32)
+    )
     q.copy_(torch.randn(q.shape, generator=gen))
     graph.replay()
     torch.testing.assert_close(out, decode_attention_reference(*args), atol=1e-2, rtol=1e-2)
@@ -170,7 +193,16 @@ def test_decode_cuda_graph_replay_sees_new_lengths():
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (32, 8)])
 def test_extend_real_shapes_gpu(num_heads, num_kv_heads):
     device = torch.device("cuda")
-    batch, q = _extend_case(num_heads // num_kv_heads, 128, 16, torch.bfloat16, device, [0, 1500, 64, 0],
-                            [2048, 300, 1, 700], num_kv_heads=num_kv_heads)
-    torch.testing.assert_close(_run_extend(batch, q, 128 ** -0.5), _extend_reference(batch, q, 128 ** -0.5),
-                               atol=1e-2, rtol=1e-2)
+    batch, q = _extend_case(
+        num_heads // num_kv_heads,
+        128,
+        16,
+        torch.bfloat16,
+        device,
+        [0, 1500, 64, 0],
+        [2048, 300, 1, 700],
+        num_kv_heads=num_kv_heads,
+    )
+    torch.testing.assert_close(
+        _run_extend(batch, q, 128**-0.5), _extend_reference(batch, q, 128**-0.5), atol=1e-2, rtol=1e-2
+    )

@@ -32,7 +32,7 @@ def _bitwise_or_interpreter(dtype: torch.dtype, atol: float = 0.0) -> dict:
         return dict(atol=1e-5, rtol=1e-5)
     if torch.cuda.is_available() or dtype != torch.bfloat16:
         return dict(atol=0, rtol=0)
-    return dict(atol=atol, rtol=2 ** -7)
+    return dict(atol=atol, rtol=2**-7)
 
 
 def _randn(shape, dtype, device, seed):
@@ -44,8 +44,11 @@ def _qkv_views(tokens, num_heads, num_kv_heads, head_dim, dtype, device, seed):
     """q, k, v as the attention layer sees them: strided views into one fused qkv output."""
     qkv = _randn((tokens, (num_heads + 2 * num_kv_heads) * head_dim), dtype, device, seed)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    return (q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim),
-            v.view(tokens, num_kv_heads, head_dim))
+    return (
+        q.view(tokens, num_heads, head_dim),
+        k.view(tokens, num_kv_heads, head_dim),
+        v.view(tokens, num_kv_heads, head_dim),
+    )
 
 
 def test_references_match_the_layers_on_cpu():
@@ -83,7 +86,7 @@ def test_rmsnorm_per_head_view_and_fp32_weight(device):
     assert out.dtype == torch.float32 and out.shape == q.shape
     # the normalised value is rounded to bf16 before the weight: where the sum of squares (added
     # in another order) lands it on the other side of a rounding boundary, one bf16 unit apart
-    torch.testing.assert_close(out, rmsnorm_reference(q, weight, 1e-6), atol=1e-5, rtol=2 ** -7)
+    torch.testing.assert_close(out, rmsnorm_reference(q, weight, 1e-6), atol=1e-5, rtol=2**-7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -98,8 +101,11 @@ def test_silu_and_mul_matches_reference(dtype, width, device):
 # RoPE rounds where the torch ops round, yet on an H200 (triton 3.6) about a fifth of bf16
 # results land one unit in the last place away from torch's, and fp32 ones differ by fused
 # multiply-adds: compare to within one unit.
-ONE_UNIT = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=5e-3, rtol=2 ** -10),
-            torch.bfloat16: dict(atol=4e-2, rtol=2 ** -7)}
+ONE_UNIT = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=5e-3, rtol=2**-10),
+    torch.bfloat16: dict(atol=4e-2, rtol=2**-7),
+}
 
 
 def _check_rope_store(tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype, device, max_positions=4096):
@@ -128,13 +134,22 @@ def _check_rope_store(tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype,
     q_ref, k_ref = rotary(positions, q_ref, k_ref)
     pool.store(0, k_ref, v.cpu(), out_loc)
 
-    rope_store(q, k, v, positions.to(device), rotary.cos_sin.to(device), k_pool, v_pool,
-               out_loc.to(torch.int32).to(device), *norms)
+    rope_store(
+        q,
+        k,
+        v,
+        positions.to(device),
+        rotary.cos_sin.to(device),
+        k_pool,
+        v_pool,
+        out_loc.to(torch.int32).to(device),
+        *norms,
+    )
     tol = ONE_UNIT[dtype]
     if qk_norm and dtype == torch.bfloat16 and not torch.cuda.is_available():
         # Triton's interpreter truncates each of the five bf16 roundings on the way (norm,
         # weight, two products, sum) instead of rounding to nearest: up to four units apart.
-        tol = dict(atol=8e-2, rtol=2 ** -5)
+        tol = dict(atol=8e-2, rtol=2**-5)
     torch.testing.assert_close(q.cpu(), q_ref, **tol)
     torch.testing.assert_close(k_pool.cpu(), pool.k[0], **tol)
     torch.testing.assert_close(v_pool.cpu(), pool.v[0], atol=0, rtol=0)  # a copy: exact

@@ -27,7 +27,7 @@ CASES = [
 def _tolerance(dtype: torch.dtype) -> dict:
     if dtype == torch.float32:
         return dict(atol=1e-4, rtol=1e-5)
-    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
     return dict(atol=1e-3, rtol=ulp if torch.cuda.is_available() else 2 * ulp)
 
 

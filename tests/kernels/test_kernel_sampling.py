@@ -11,8 +11,9 @@ from minfer.kernels.sampling import CHUNK, gumbel_argmax
 
 def _kernel_tokens(logits: torch.Tensor, st: SamplingTensors, device: torch.device) -> list[int]:
     """The kernel's tokens for CPU inputs, computed on `device` (the GPU when there is one)."""
-    return gumbel_argmax(logits.to(device), st.temperature.to(device), st.seeds.to(device),
-                         st.positions.to(device)).tolist()
+    return gumbel_argmax(
+        logits.to(device), st.temperature.to(device), st.seeds.to(device), st.positions.to(device)
+    ).tolist()
 
 
 def test_gumbel_argmax_matches_torch_sampler(device):
@@ -21,8 +22,9 @@ def test_gumbel_argmax_matches_torch_sampler(device):
     logits = torch.randn(batch, vocab) * 3
     params = [SamplingParams(temperature=t) for t in (0.0, 0.6, 1.0, 1.5, 0.0, 0.9)]
     for trial in range(3):
-        st = SamplingTensors.build(params, [trial * 10 + i for i in range(batch)], [5 + trial] * batch, vocab,
-                                   torch.device("cpu"))
+        st = SamplingTensors.build(
+            params, [trial * 10 + i for i in range(batch)], [5 + trial] * batch, vocab, torch.device("cpu")
+        )
         expected = sample(logits, st)
         assert _kernel_tokens(logits, st, device) == expected.tolist()
 

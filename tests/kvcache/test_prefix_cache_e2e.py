@@ -64,7 +64,9 @@ def test_identical_request_hits_whole_prompt_but_last_token(model_path):
 def test_chat_turn_extending_a_conversation_hits(model_path):
     llm = LLM(model_path, kv_cache_tokens=1024)
     turn1 = list(range(10, 50))
-    out = llm.generate([turn1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate([turn1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[
+        0
+    ]
     turn2 = turn1 + out.token_ids + [7, 8, 9]
     counters = llm.scheduler.kv.prefix_cache.counters
     before = counters.hit_tokens
@@ -77,7 +79,9 @@ def test_lpm_policy_same_tokens(model_path):
     prompts = _shared_prefix_prompts(12, seed=3)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     fcfs = LLM(model_path, kv_cache_tokens=2048).generate(prompts, params, use_tqdm=False)
-    lpm = LLM(model_path, kv_cache_tokens=2048, schedule_policy="lpm").generate(prompts, params, use_tqdm=False)
+    lpm = LLM(model_path, kv_cache_tokens=2048, schedule_policy="lpm").generate(
+        prompts, params, use_tqdm=False
+    )
     assert [o.token_ids for o in lpm] == [o.token_ids for o in fcfs]
 
 

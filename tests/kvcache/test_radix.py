@@ -118,8 +118,12 @@ NUM_PAGES = 12
 # Requests share long prefixes (system prompts, earlier turns) far more often than random
 # tokens would: cut one of a few base sequences, then add a short random tail.
 BASES = [[0] * 16, [0, 1] * 8, [1, 2, 0, 0, 1, 2, 0, 0] * 2]
-tokens_strategy = st.builds(lambda base, cut, tail: base[:cut] + tail, st.sampled_from(BASES),
-                            st.integers(0, 16), st.lists(st.integers(0, 2), max_size=5))
+tokens_strategy = st.builds(
+    lambda base, cut, tail: base[:cut] + tail,
+    st.sampled_from(BASES),
+    st.integers(0, 16),
+    st.lists(st.integers(0, 2), max_size=5),
+)
 
 
 class RadixMachine(RuleBasedStateMachine):
@@ -147,7 +151,9 @@ class RadixMachine(RuleBasedStateMachine):
         self.cached = {k: p for k, p in self.cached.items() if p not in free}
 
     def locked_prefixes(self) -> set[tuple[int, ...]]:
-        return {tuple(r.token_ids[:end]) for r in self.requests for end in range(self.ps, r.borrowed + 1, self.ps)}
+        return {
+            tuple(r.token_ids[:end]) for r in self.requests for end in range(self.ps, r.borrowed + 1, self.ps)
+        }
 
     # Requests.
     @precondition(lambda self: len(self.requests) < 4)
@@ -165,7 +171,7 @@ class RadixMachine(RuleBasedStateMachine):
             self.cache.release(m.handle)
             return
         own = self.alloc.alloc(need)
-        slots = (m.slots + _slots_of(own, self.ps))[:len(token_ids)]
+        slots = (m.slots + _slots_of(own, self.ps))[: len(token_ids)]
         self.requests.append(_Request(token_ids, slots, len(m.slots), own, m.handle))
 
     def give_prefix_to_cache(self, req: _Request, lock: bool):
@@ -203,7 +209,7 @@ class RadixMachine(RuleBasedStateMachine):
         """Chunked prefill: the prefix so far goes to the tree while the request keeps running."""
         req = self.requests[data.draw(st.integers(0, len(self.requests) - 1))]
         locked = self.give_prefix_to_cache(req, lock=True)
-        req.slots[:len(locked.slots)] = locked.slots
+        req.slots[: len(locked.slots)] = locked.slots
         req.borrowed, req.handle = len(locked.slots), locked.handle
 
     @precondition(lambda self: self.requests)
@@ -227,7 +233,7 @@ class RadixMachine(RuleBasedStateMachine):
     def every_page_has_exactly_one_owner(self):
         if not hasattr(self, "cache"):
             return
-        tree_pages = [s // self.ps for n in self.cache._nodes() for s in n.slots[::self.ps]]
+        tree_pages = [s // self.ps for n in self.cache._nodes() for s in n.slots[:: self.ps]]
         request_pages = [p for r in self.requests for p in r.own_pages]
         owners = Counter(self.alloc._free + request_pages + tree_pages)
         assert owners == Counter(range(NUM_PAGES))
@@ -239,7 +245,7 @@ class RadixMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         for r in self.requests:
-            assert self.expected_match(r.token_ids[:r.borrowed]) == r.slots[:r.borrowed]
+            assert self.expected_match(r.token_ids[: r.borrowed]) == r.slots[: r.borrowed]
         assert self.locked_prefixes() <= self.cached.keys()
 
     @invariant()

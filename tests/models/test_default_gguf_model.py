@@ -26,8 +26,9 @@ def reference(llm):
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -35,7 +36,9 @@ def _minfer_logits(llm, ids: list[int]) -> torch.Tensor:
     """Logits of every position from one prefill through a throwaway pool."""
     eng = llm.engine
     n = len(ids)
-    pool = KVPool(eng.hf_config.num_hidden_layers, n, eng.num_kv_heads, eng.head_dim, 1, eng.dtype, eng.device)
+    pool = KVPool(
+        eng.hf_config.num_hidden_layers, n, eng.num_kv_heads, eng.head_dim, 1, eng.dtype, eng.device
+    )
     meta = build_metadata([0], [0], [n], torch.arange(n, dtype=torch.int32)[None, :], False, eng.device)
     ctx = ForwardContext(meta, pool, eng.backend, torch.arange(n))
     with torch.inference_mode():
@@ -57,7 +60,11 @@ def test_greedy_answer_is_paris_and_matches_transformers(llm, reference):
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert "Paris" in out.text
     with torch.no_grad():
-        ref = reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=len(out.token_ids), do_sample=False)
-    assert out.token_ids == ref[0, len(ids):].tolist()
+        ref = reference.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=len(out.token_ids),
+            do_sample=False,
+        )
+    assert out.token_ids == ref[0, len(ids) :].tolist()
     assert llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16))[0].text == out.text

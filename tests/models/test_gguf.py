@@ -74,10 +74,22 @@ def test_default_model_config_matches_transformers(reference_config):
     reference = reference_config
     ours = mg.gguf_config(DEFAULT)
     assert ours.architectures == ["LlamaForCausalLM"]
-    for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-                  "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id",
-                  "pad_token_id"):
+    for field in (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    ):
         assert getattr(ours, field) == getattr(reference, field), field
     assert rope_parameters(ours) == rope_parameters(reference)
     assert mg.gguf_config(DEFAULT).to_dict() == ours.to_dict()  # cache hit
@@ -90,13 +102,16 @@ def test_default_tokenizer_same_with_and_without_cache(tmp_path, monkeypatch, de
     monkeypatch.setenv("XDG_CACHE_HOME", "/proc/minfer-cannot-write-here")
     fresh = mg.gguf_tokenizer(DEFAULT)  # the cache cannot be written: straight from the GGUF
 
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Héllo 🙂\n\n  wörld"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Héllo 🙂\n\n  wörld"},
+    ]
     for tok in (cached, fresh):
         assert tok.chat_template and "<|im_start|>" in tok.chat_template
         assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
-    assert cached.apply_chat_template(messages, add_generation_prompt=True) == \
-        fresh.apply_chat_template(messages, add_generation_prompt=True)
+    assert cached.apply_chat_template(messages, add_generation_prompt=True) == fresh.apply_chat_template(
+        messages, add_generation_prompt=True
+    )
     text = "Héllo 🙂\n\n  wörld <|im_end|> 12345"
     assert cached(text).input_ids == fresh(text).input_ids
     assert cached.decode(cached(text).input_ids) == fresh.decode(fresh(text).input_ids)
@@ -111,10 +126,17 @@ HF_TO_GGUF = {
     "lm_head.weight": "output.weight",
 }
 LAYER_HF_TO_GGUF = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
@@ -128,18 +150,32 @@ def gguf_name(hf_name: str) -> str:
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to llama Q/K rows: interleave each head's halves."""
-    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def tiny_model(arch: str, tied: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        arch, vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+        arch,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
@@ -151,8 +187,14 @@ def tiny_model(arch: str, tied: bool):
     return config, state
 
 
-def write_gguf(path, arch: str, config, state: dict[str, torch.Tensor], qtype: Q = Q.F32,
-               extra: dict[str, np.ndarray] | None = None) -> str:
+def write_gguf(
+    path,
+    arch: str,
+    config,
+    state: dict[str, torch.Tensor],
+    qtype: Q = Q.F32,
+    extra: dict[str, np.ndarray] | None = None,
+) -> str:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -209,9 +251,18 @@ def test_llama_round_trip(tmp_path, qtype):
     ours = mg.gguf_config(path)
     assert ours.architectures == ["LlamaForCausalLM"]
     assert ours.tie_word_embeddings == (qtype != Q.F32)
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-                  "bos_token_id", "eos_token_id"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert getattr(ours, field) == getattr(config, field), field
     assert ours.rms_norm_eps == pytest.approx(config.rms_norm_eps)
     assert rope_parameters(ours) == rope_parameters(config)
@@ -274,8 +325,14 @@ def test_cache_key_follows_the_file(tmp_path):
 
 def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path):
     """llama.cpp stores Llama 3.1 RoPE scaling only as per-frequency divisors (`rope_freqs`)."""
-    llama31 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    llama31 = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     config, state = tiny_model("llama", tied=True)
     config.head_dim = 128  # enough frequencies to fall inside the blended band
     config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
@@ -286,8 +343,13 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path):
     blended = 1 / ((1 - smooth) / 8.0 + smooth)
     divisors = torch.where(wavelen < 8192 / 4.0, 1.0, torch.where(wavelen > 8192, 8.0, blended))
     embedding_only = {"model.embed_tokens.weight": state["model.embed_tokens.weight"]}
-    path = write_gguf(tmp_path / "tiny.gguf", "llama", config, embedding_only,
-                      extra={"rope_freqs.weight": divisors.float().numpy()})
+    path = write_gguf(
+        tmp_path / "tiny.gguf",
+        "llama",
+        config,
+        embedding_only,
+        extra={"rope_freqs.weight": divisors.float().numpy()},
+    )
 
     params = rope_parameters(mg.gguf_config(path))
     assert params["rope_type"] == "llama3"
@@ -300,8 +362,14 @@ def test_unsupported_type_and_architecture_are_named(tmp_path):
     config, state = tiny_model("llama", tied=True)
     # one tensor of an integer type, which no dequantizer handles
     state = {k: v for k, v in state.items() if k != "model.layers.0.mlp.down_proj.weight"}
-    path = write_gguf(tmp_path / "int.gguf", "llama", config, state, Q.Q8_0,
-                      extra={"blk.0.ffn_down.weight": np.zeros((64, 128), dtype=np.int8)})
+    path = write_gguf(
+        tmp_path / "int.gguf",
+        "llama",
+        config,
+        state,
+        Q.Q8_0,
+        extra={"blk.0.ffn_down.weight": np.zeros((64, 128), dtype=np.int8)},
+    )
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_down\.weight.*I8"):
         list(mg.gguf_weights(path))
 

@@ -15,10 +15,19 @@ from minfer.observability.trace import read_trace
 from minfer.observability.trace_check import check_events, format_report
 
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
-COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
-            "generation_tokens_total", "num_preemptions_total")
-HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-              "request_queue_time_seconds")
+COUNTERS = (
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "num_preemptions_total",
+)
+HISTOGRAMS = (
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+)
 
 
 def scrape(url: str) -> dict[str, dict]:
@@ -41,8 +50,9 @@ def server(tiny_chat_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-metrics")
     trace = tmp / "trace.jsonl"
     trace.write_text('{"stale": "a previous run"}\n')  # the server empties it at start
-    srv = Server([tiny_chat_llama, "--kv-cache-tokens", "2048", "--trace-requests", str(trace)],
-                 tmp / "server.log")
+    srv = Server(
+        [tiny_chat_llama, "--kv-cache-tokens", "2048", "--trace-requests", str(trace)], tmp / "server.log"
+    )
     yield srv, trace
     srv.stop()
 
@@ -58,11 +68,18 @@ def test_metrics_after_requests(server):
     prompts = ["The quick brown fox", "Hello there, how", "The quick brown fox"]  # the third hits the first
     usage = []
     for prompt in prompts:
-        r = srv.post("/v1/completions", {"prompt": prompt, "max_tokens": 5, "ignore_eos": True, "temperature": 0})
+        r = srv.post(
+            "/v1/completions", {"prompt": prompt, "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+        )
         assert r.status_code == 200, r.text
         usage.append(r.json()["usage"])
-    gen = srv.post("/generate", {"text": "Once upon a time", "sampling_params": {
-        "max_new_tokens": 4, "ignore_eos": True, "temperature": 0}})
+    gen = srv.post(
+        "/generate",
+        {
+            "text": "Once upon a time",
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "temperature": 0},
+        },
+    )
     assert gen.status_code == 200, gen.text
     meta = gen.json()["meta_info"]
     t = meta["timings"]
@@ -87,14 +104,20 @@ def test_metrics_after_requests(server):
     assert 0 <= value(after, "kv_cache_usage_perc") <= 1
     for name in HISTOGRAMS:
         assert value(after, name.replace("_seconds", "_seconds_count")) == (
-            3 * 4 + 3 if name.startswith("inter_token") else n), name
+            3 * 4 + 3 if name.startswith("inter_token") else n
+        ), name
         assert value(after, name.replace("_seconds", "_seconds_bucket"), le="+Inf") == value(
-            after, name.replace("_seconds", "_seconds_count"))
+            after, name.replace("_seconds", "_seconds_count")
+        )
         assert value(after, name.replace("_seconds", "_seconds_sum")) >= 0
 
     # An aborted request is counted under "abort".
-    with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
-                      json={"prompt": "hi", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as resp:
+    with httpx.stream(
+        "POST",
+        srv.url + "/v1/completions",
+        timeout=30,
+        json={"prompt": "hi", "max_tokens": 1500, "ignore_eos": True, "stream": True},
+    ) as resp:
         assert resp.status_code == 200
         next(resp.iter_lines())
     for _ in range(100):
@@ -112,8 +135,10 @@ def test_served_trace_passes_check(server, capsys):
     # Workers write every 50 ms: wait until the last request's events are in the file.
     for _ in range(100):
         events = read_trace(str(trace))
-        if sum(e["event"] in ("finished", "aborted") for e in events) >= 6 and \
-                sum(e["event"] == "detokenized" and e["finish_reason"] is not None for e in events) >= 6:
+        if (
+            sum(e["event"] in ("finished", "aborted") for e in events) >= 6
+            and sum(e["event"] == "detokenized" and e["finish_reason"] is not None for e in events) >= 6
+        ):
             break
         httpx.get(srv.url + "/health", timeout=5)
     assert "stale" not in events[0]
@@ -121,7 +146,15 @@ def test_served_trace_passes_check(server, capsys):
     assert report.ok, format_report(report)
     assert len(report.requests) == 6
     names = {e["event"] for e in events}
-    assert {"received", "tokenized", "detokenized", "queued", "kv_slots_allocated", "finished", "aborted"} <= names
+    assert {
+        "received",
+        "tokenized",
+        "detokenized",
+        "queued",
+        "kv_slots_allocated",
+        "finished",
+        "aborted",
+    } <= names
     # The front end's emitters write exactly the schema too (the scheduler's: test_trace_schema.py).
     mismatched = [err for e in events for err in schema.schema_errors(e, exact=True)]
     assert not mismatched, mismatched[:5]
@@ -146,8 +179,9 @@ def test_server_metrics_in_process():
     assert reg.get_sample_value("minfer:e2e_request_latency_seconds_sum") == 2.0
     assert reg.get_sample_value("minfer:request_queue_time_seconds_sum") == 0.25
     assert reg.get_sample_value("minfer:request_success_total", {"finished_reason": "stop"}) == 1
-    metrics.update_scheduler({"running": 2, "waiting": 1, "kv_used_pages": 3, "kv_total_pages": 12,
-                              "generation_tokens": 40})
+    metrics.update_scheduler(
+        {"running": 2, "waiting": 1, "kv_used_pages": 3, "kv_total_pages": 12, "generation_tokens": 40}
+    )
     assert reg.get_sample_value("minfer:kv_cache_usage_perc") == 0.25
     assert reg.get_sample_value("minfer:generation_tokens_total") == 40
     assert b"minfer:num_requests_waiting 1.0" in metrics.render()
@@ -167,7 +201,19 @@ def test_stats_line(tiny_llama, caplog):
     assert line.startswith("running 0 (0 prefilling), queued 0,")
     assert "gen 0.8 tok/s" in line and "KV " in line and "prefix hit " in line and "0 preemptions" in line
     assert stats_log.maybe_log(llm.scheduler, now=20.0) is None  # no pass ran: nothing to say
-    idle = {"prefill_steps": 1, "decode_steps": 0, "prefill_tokens_computed": 4, "decode_batch_total": 0,
-            "prefix_queried_tokens": 0, "prefix_hit_tokens": 0, "kv_used_pages": 1, "kv_total_pages": 4,
-            "generation_tokens": 1, "preemptions": 0, "running": 1, "prefilling": 0, "waiting": 0}
+    idle = {
+        "prefill_steps": 1,
+        "decode_steps": 0,
+        "prefill_tokens_computed": 4,
+        "decode_batch_total": 0,
+        "prefix_queried_tokens": 0,
+        "prefix_hit_tokens": 0,
+        "kv_used_pages": 1,
+        "kv_total_pages": 4,
+        "generation_tokens": 1,
+        "preemptions": 0,
+        "running": 1,
+        "prefilling": 0,
+        "waiting": 0,
+    }
     assert "prefix hit -" in format_stats_line(idle, dict.fromkeys(idle, 0), 1.0)

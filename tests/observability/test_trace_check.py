@@ -15,8 +15,11 @@ from minfer.observability.trace_check import check_events, format_report
 
 
 def states(events, uid, name):
-    return [(e["cached_len"], e["device_len"], e["extend_len"]) for e in events
-            if e["uid"] == uid and e["event"] == name]
+    return [
+        (e["cached_len"], e["device_len"], e["extend_len"])
+        for e in events
+        if e["uid"] == uid and e["event"] == name
+    ]
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
@@ -25,7 +28,9 @@ def test_seed_scenario_13_token_prompt(tiny_llama, tmp_path, overlap):
     13 slots in the prefill, then one per decode step."""
     path = tmp_path / "seed.jsonl"
     llm = traced_llm(tiny_llama, path, kv_cache_tokens=256, disable_overlap_schedule=not overlap)
-    llm.generate([list(range(1, 14))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [list(range(1, 14))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     events = finish_trace(llm, path)
     assert events[0]["event"] == "kv_pool" and events[0]["num_slots"] == 256
     request_events = [e["event"] for e in events if e["uid"] == 0]
@@ -33,11 +38,17 @@ def test_seed_scenario_13_token_prompt(tiny_llama, tmp_path, overlap):
     assert request_events[4:6] == ["request_state_updated", "prompt_cached"]
     allocs = [e for e in events if e["event"] == "kv_slots_allocated"]
     assert [(e["cached_len"], e["device_len"], e["extend_len"]) for e in allocs] == [
-        (0, 13, 13), (13, 14, 1), (14, 15, 1), (15, 16, 1)]
+        (0, 13, 13),
+        (13, 14, 1),
+        (14, 15, 1),
+        (15, 16, 1),
+    ]
     assert [e["num_slots"] for e in allocs] == [13, 1, 1, 1]
     assert allocs[0]["out_loc"] == [[0, 13]] and allocs[0]["table_idx"] >= 0
     updates = [e for e in events if e["event"] == "request_state_updated"]
-    chain = [(u["before"]["cached_len"], u["before"]["device_len"], u["before"]["extend_len"]) for u in updates]
+    chain = [
+        (u["before"]["cached_len"], u["before"]["device_len"], u["before"]["extend_len"]) for u in updates
+    ]
     chain.append(tuple(updates[-1]["after"][k] for k in ("cached_len", "device_len", "extend_len")))
     assert chain == [(0, 13, 13), (13, 14, 1), (14, 15, 1), (15, 16, 1), (16, 17, 1)]
     assert [e["output_len"] for e in events if e["event"] == "token_sampled"] == [1, 2, 3, 4]
@@ -59,8 +70,14 @@ def test_mixed_run_passes_check(tiny_llama, tmp_path, overlap, page_size, capsys
     """Many concurrent requests with chunked prefill, prefix hits, stop tokens, an abort and
     preemption (a 128-token pool): every request passes."""
     path = tmp_path / "mixed.jsonl"
-    llm = traced_llm(tiny_llama, path, kv_cache_tokens=128, chunked_prefill_size=16, page_size=page_size,
-                     disable_overlap_schedule=not overlap)
+    llm = traced_llm(
+        tiny_llama,
+        path,
+        kv_cache_tokens=128,
+        chunked_prefill_size=16,
+        page_size=page_size,
+        disable_overlap_schedule=not overlap,
+    )
     ran = run_mixed_workload(llm)
     events = finish_trace(llm, path)
     report = check_events(events)
@@ -91,8 +108,11 @@ def good_trace(mixed_trace) -> list[dict]:
 
 
 def first(events, name, uid=None, after=0):
-    return next(i for i, e in enumerate(events)
-                if i >= after and e["event"] == name and (uid is None or e["uid"] == uid))
+    return next(
+        i
+        for i, e in enumerate(events)
+        if i >= after and e["event"] == name and (uid is None or e["uid"] == uid)
+    )
 
 
 def corrupt_drop(events, name, uid=None):
@@ -144,8 +164,11 @@ def test_slot_misuse_fails(good_trace):
     i0 = first(events, "kv_slots_allocated")
     holder = events[i0]["uid"]
     released = first(events, "kv_released", uid=holder)
-    i1 = next(i for i in range(i0, released) if events[i]["event"] == "kv_slots_allocated"
-              and events[i]["uid"] != holder)
+    i1 = next(
+        i
+        for i in range(i0, released)
+        if events[i]["event"] == "kv_slots_allocated" and events[i]["uid"] != holder
+    )
     stolen = events[i0]["out_loc"][0][0]
     slots = expand_ranges(events[i1]["out_loc"])
     events[i1]["out_loc"] = slot_ranges([stolen] + slots[1:])

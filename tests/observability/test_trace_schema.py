@@ -22,13 +22,16 @@ def test_doc_tables_are_the_rendered_schema():
     text = DOC.read_text()
     assert schema.doc_tables(text) == schema.render_doc_tables(), (
         "docs/TRACE.md's event tables differ from observability/events.py: run "
-        "`python -m minfer.observability.events --write docs/TRACE.md`")
+        "`python -m minfer.observability.events --write docs/TRACE.md`"
+    )
     assert schema.sync_doc(text) == text
 
 
 def test_sync_doc_rewrites_a_stale_table():
     text = DOC.read_text()
-    stale = text.replace("| `queued` | `prompt_len`: tokens in the prompt;", "| `queued` | `prompt_len`: old;")
+    stale = text.replace(
+        "| `queued` | `prompt_len`: tokens in the prompt;", "| `queued` | `prompt_len`: old;"
+    )
     assert stale != text and schema.sync_doc(stale) == text
     with pytest.raises(ValueError, match="schema table"):
         schema.sync_doc("no tables here")
@@ -36,8 +39,12 @@ def test_sync_doc_rewrites_a_stale_table():
 
 def test_schema_is_consistent():
     assert len(schema.BY_NAME) == len(schema.EVENTS)  # names are unique
-    assert {s.process for s in schema.EVENTS} == {schema.API_SERVER, schema.TOKENIZER, schema.DETOKENIZER,
-                                                  schema.SCHEDULER}
+    assert {s.process for s in schema.EVENTS} == {
+        schema.API_SERVER,
+        schema.TOKENIZER,
+        schema.DETOKENIZER,
+        schema.SCHEDULER,
+    }
     for spec in schema.EVENTS:
         assert len(set(spec.field_names)) == len(spec.fields), spec.name
         assert not set(spec.field_names) & {f.name for f in schema.COMMON_FIELDS}, spec.name
@@ -67,8 +74,12 @@ def test_check_reports_events_outside_the_schema(mixed_trace):
     unknown = copy.deepcopy(good)
     unknown.insert(3, {**unknown[3], "event": "token_sampeld"})
     assert "unknown event 'token_sampeld'" in report_of(unknown)
-    for name, field in (("queued", "max_tokens"), ("kv_pool", "page_size"), ("prompt_cached", "repointed"),
-                        ("kv_slots_allocated", "ts")):
+    for name, field in (
+        ("queued", "max_tokens"),
+        ("kv_pool", "page_size"),
+        ("prompt_cached", "repointed"),
+        ("kv_slots_allocated", "ts"),
+    ):
         events = copy.deepcopy(good)
         victim = next(ev for ev in events if ev["event"] == name)
         del victim[field]
@@ -91,10 +102,16 @@ def test_untraced_scheduler_trace_is_a_no_op():
     """Tracing off, every moment is the base class's `...`: nothing is read from its arguments."""
     trace = scheduler_trace(NULL_TRACER)
     assert type(trace) is NullSchedulerTrace and not trace.enabled
-    moments = [name for name, _ in inspect.getmembers(NullSchedulerTrace, inspect.isfunction)
-               if not name.startswith("_")]
-    assert moments and set(moments) == {name for name, fn in vars(SchedulerTrace).items()
-                                        if inspect.isfunction(fn) and not name.startswith("_")}
+    moments = [
+        name
+        for name, _ in inspect.getmembers(NullSchedulerTrace, inspect.isfunction)
+        if not name.startswith("_")
+    ]
+    assert moments and set(moments) == {
+        name
+        for name, fn in vars(SchedulerTrace).items()
+        if inspect.isfunction(fn) and not name.startswith("_")
+    }
     for name in moments:
         method = getattr(trace, name)
         assert method(*[None] * len(inspect.signature(method).parameters)) is None

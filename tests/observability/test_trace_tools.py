@@ -13,14 +13,17 @@ from minfer.cli import main
 from minfer.observability.events import EventSpec
 from minfer.observability.trace import NULL_TRACER, RequestTracer, expand_ranges, read_trace, slot_ranges
 
-TICK = EventSpec("tick", "test", "a test's event")  # the tracer writes any spec; the checker knows the real ones
+TICK = EventSpec(
+    "tick", "test", "a test's event"
+)  # the tracer writes any spec; the checker knows the real ones
 
 
 def test_tracer_writes_every_event_in_order(tmp_path):
     path = tmp_path / "t.jsonl"
     tracer = RequestTracer(str(path))
-    threads = [threading.Thread(target=lambda k=k: [tracer.emit(TICK, k, i=i) for i in range(500)])
-               for k in range(3)]
+    threads = [
+        threading.Thread(target=lambda k=k: [tracer.emit(TICK, k, i=i) for i in range(500)]) for k in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:

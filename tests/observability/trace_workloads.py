@@ -26,9 +26,10 @@ def run_mixed_workload(llm: LLM, num_requests: int = 24, seed: int = 0) -> dict:
     shared = [rng.randrange(3, 250) for _ in range(40)]
     reqs = []
     for i in range(num_requests):
-        prompt = shared[:8 + (i * 7) % 30] + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 30))]
-        params = SamplingParams(temperature=0.0 if i % 3 == 0 else 0.8, max_tokens=rng.randrange(1, 20),
-                                ignore_eos=True, seed=i)
+        prompt = shared[: 8 + (i * 7) % 30] + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 30))]
+        params = SamplingParams(
+            temperature=0.0 if i % 3 == 0 else 0.8, max_tokens=rng.randrange(1, 20), ignore_eos=True, seed=i
+        )
         if i % 4 == 1:  # stop tokens end these early, and with overlap one pass past the end
             params.stop_token_ids = list(range(3, 256, 9))
         reqs.append(sched.add_request(prompt, params))
@@ -42,6 +43,10 @@ def run_mixed_workload(llm: LLM, num_requests: int = 24, seed: int = 0) -> dict:
         if steps == 8:  # the same prompt twice: the second hits the first's prefix
             for _ in range(2):
                 reqs.append(sched.add_request(shared[:30], SamplingParams(temperature=0, max_tokens=5)))
-    return {"aborted": aborted, "steps": steps, "preemptions": sched.counters.preemptions,
-            "hit_tokens": sched.kv.prefix_cache.counters.hit_tokens,
-            "reasons": {r.uid: r.finish_reason for r in reqs}}
+    return {
+        "aborted": aborted,
+        "steps": steps,
+        "preemptions": sched.counters.preemptions,
+        "hit_tokens": sched.kv.prefix_cache.counters.hit_tokens,
+        "reasons": {r.uid: r.finish_reason for r in reqs},
+    }

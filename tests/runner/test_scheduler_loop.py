@@ -24,13 +24,20 @@ def run(loop: SchedulerLoop) -> None:
 
 
 def tokens_of(sent, uid: int) -> list:
-    return [(t, f) for msg in sent if isinstance(msg, m.TokenOutputs)
-            for u, t, f in zip(msg.uids, msg.token_ids, msg.finish_reasons) if u == uid]
+    return [
+        (t, f)
+        for msg in sent
+        if isinstance(msg, m.TokenOutputs)
+        for u, t, f in zip(msg.uids, msg.token_ids, msg.finish_reasons)
+        if u == uid
+    ]
 
 
 def test_request_runs_and_reports_tokens(loop):
     loop, sent = loop
-    loop.handle(m.TokenizedRequest(uid=10, token_ids=[1, 2, 3], params=SamplingParams(max_tokens=4, ignore_eos=True)))
+    loop.handle(
+        m.TokenizedRequest(uid=10, token_ids=[1, 2, 3], params=SamplingParams(max_tokens=4, ignore_eos=True))
+    )
     run(loop)
     got = tokens_of(sent, 10)
     assert len(got) == 4 and [f for _, f in got] == [None, None, None, "length"]
@@ -38,7 +45,9 @@ def test_request_runs_and_reports_tokens(loop):
 
 def test_max_tokens_auto_fills_what_fits(loop):
     loop, sent = loop
-    assert loop.runner.max_request_tokens == 1024 - loop.scheduler.decode_reserve_pages  # the pool, smaller than the context
+    assert (
+        loop.runner.max_request_tokens == 1024 - loop.scheduler.decode_reserve_pages
+    )  # the pool, smaller than the context
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     loop.handle(m.TokenizedRequest(uid=1, token_ids=[5] * 100, params=params, max_tokens_auto=True))
     assert loop.scheduler.by_uid[1].params.max_tokens == loop.runner.max_request_tokens - 100

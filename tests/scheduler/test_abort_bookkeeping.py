@@ -26,8 +26,14 @@ def model_path(tmp_path_factory):
 
 
 def _llm(model_path, overlap: bool, page_size: int, **kw) -> LLM:
-    return LLM(model_path, kv_cache_tokens=kw.pop("kv_cache_tokens", 256), page_size=page_size,
-               disable_overlap_schedule=not overlap, check_kv_invariants=True, **kw)
+    return LLM(
+        model_path,
+        kv_cache_tokens=kw.pop("kv_cache_tokens", 256),
+        page_size=page_size,
+        disable_overlap_schedule=not overlap,
+        check_kv_invariants=True,
+        **kw,
+    )
 
 
 def _run(llm: LLM, prompt: list[int]) -> list[int]:
@@ -38,7 +44,9 @@ def _run(llm: LLM, prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("prompt_len", [36, 37])
 @pytest.mark.parametrize("abort_after_steps", [1, 2, 3])
-def test_abort_during_prefill_keeps_pages_and_outputs(model_path, overlap, page_size, prompt_len, abort_after_steps):
+def test_abort_during_prefill_keeps_pages_and_outputs(
+    model_path, overlap, page_size, prompt_len, abort_after_steps
+):
     prompt = [(7 * i + 3) % 256 for i in range(prompt_len)]
     follow_up = prompt + [42]
     unrelated = [[(5 * i + k) % 256 for i in range(30)] for k in range(3)]
@@ -68,8 +76,10 @@ def test_mass_abort_of_n_times_prompts_during_prefill(model_path):
     sched = llm.scheduler
     probe = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     before = _run(llm, probe)
-    uids = [sched.add_request([100 + i % 50, 3, i % 7 + 1], SamplingParams(temperature=0, max_tokens=1)).uid
-            for i in range(128)]
+    uids = [
+        sched.add_request([100 + i % 50, 3, i % 7 + 1], SamplingParams(temperature=0, max_tokens=1)).uid
+        for i in range(128)
+    ]
     sched.step()
     sched.step()
     for uid in uids:

@@ -9,14 +9,21 @@ import httpx
 import pytest
 from server_harness import Server
 
-CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "temperature": 0, "max_tokens": 12}
-LONG_PROMPT = " ".join(f"Item {i}: the river flows past the old mill and the stone bridge." for i in range(40))
+CHAT = {
+    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "temperature": 0,
+    "max_tokens": 12,
+}
+LONG_PROMPT = " ".join(
+    f"Item {i}: the river flows past the old mill and the stone bridge." for i in range(40)
+)
 
 
 @pytest.fixture(scope="module", params=["overlap", "no-overlap"])
 def server(request, tmp_path_factory):
-    args = ["--log-level", "warning"] + (["--disable-overlap-schedule"] if request.param == "no-overlap" else [])
+    args = ["--log-level", "warning"] + (
+        ["--disable-overlap-schedule"] if request.param == "no-overlap" else []
+    )
     srv = Server(args, tmp_path_factory.mktemp("abort") / "server.log", env={"OMP_NUM_THREADS": "1"})
     yield srv
     srv.stop()
@@ -29,8 +36,9 @@ def chat(server: Server) -> str:
 
 
 def complete(server: Server, prompt: str, max_tokens: int = 8) -> list[int]:
-    r = server.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                        "logprobs": 0})
+    r = server.post(
+        "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0}
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["logprobs"]["tokens"]
 

@@ -24,10 +24,25 @@ MAX_RUNNING, MAX_QUEUED, MAX_UNREAD = 2, 4, 512
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model, tmp_path_factory):
-    s = Server([tiny_chat_model, "--served-model-name", "tiny", "--kv-cache-tokens", "16384",
-                "--max-running-requests", str(MAX_RUNNING), "--max-queued-requests", str(MAX_QUEUED),
-                "--max-unread-replies", str(MAX_UNREAD), "--chunked-prefill-size", "256"],
-               tmp_path_factory.mktemp("faults") / "server.log", env={"OMP_NUM_THREADS": "1"})
+    s = Server(
+        [
+            tiny_chat_model,
+            "--served-model-name",
+            "tiny",
+            "--kv-cache-tokens",
+            "16384",
+            "--max-running-requests",
+            str(MAX_RUNNING),
+            "--max-queued-requests",
+            str(MAX_QUEUED),
+            "--max-unread-replies",
+            str(MAX_UNREAD),
+            "--chunked-prefill-size",
+            "256",
+        ],
+        tmp_path_factory.mktemp("faults") / "server.log",
+        env={"OMP_NUM_THREADS": "1"},
+    )
     yield s
     s.stop()
 
@@ -39,7 +54,9 @@ def wait_idle(server, timeout: float = 10.0) -> dict:
         info = server.info()
         if not any(info["requests"].values()) and info["kv_pool"]["used_pages"] == 0:
             return info
-        assert time.monotonic() < deadline, f"not idle after {timeout} s: {info['requests']} {info['kv_pool']}"
+        assert time.monotonic() < deadline, (
+            f"not idle after {timeout} s: {info['requests']} {info['kv_pool']}"
+        )
         time.sleep(0.1)
 
 
@@ -47,8 +64,13 @@ def stream_gaps(server, out: dict, max_tokens: int = 200) -> None:
     """Stream a completion with the openai client; record the largest gap between chunks."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     last, gaps, text = None, [], ""
-    for chunk in client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=max_tokens,
-                                           stream=True, extra_body={"ignore_eos": True}):
+    for chunk in client.completions.create(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    ):
         now = time.monotonic()
         if last is not None:
             gaps.append(now - last)
@@ -66,7 +88,11 @@ def test_huge_prompts_are_refused_fast_and_do_not_stall_streams(server):
     while "first" not in out:
         time.sleep(0.01)
     answers = []
-    for prompt, why in (("x" * 20_000_000, None), ("y" * 1_000_000, "bytes"), ("word " * 120_000, "tokens in its first")):
+    for prompt, why in (
+        ("x" * 20_000_000, None),
+        ("y" * 1_000_000, "bytes"),
+        ("word " * 120_000, "tokens in its first"),
+    ):
         start = time.monotonic()
         r = server.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4})
         answers.append((r, time.monotonic() - start, why))
@@ -78,7 +104,11 @@ def test_huge_prompts_are_refused_fast_and_do_not_stall_streams(server):
         error = r.json()["error"]
         assert error["message"] and seconds < 5.0
         if why:
-            assert error["param"] == "prompt" and error["code"] == "context_length_exceeded" and why in error["message"]
+            assert (
+                error["param"] == "prompt"
+                and error["code"] == "context_length_exceeded"
+                and why in error["message"]
+            )
     wait_idle(server)
 
 
@@ -117,7 +147,10 @@ def test_overload_is_refused_with_503_and_retry_after(server):
     for r in answers:
         if r.status_code == 503:
             assert r.headers["retry-after"] == "1"
-            assert r.json()["error"]["type"] == "service_unavailable" and "capacity" in r.json()["error"]["message"]
+            assert (
+                r.json()["error"]["type"] == "service_unavailable"
+                and "capacity" in r.json()["error"]["message"]
+            )
         else:
             assert r.json()["usage"]["completion_tokens"] == 32
     assert burst_s < 30
@@ -133,10 +166,13 @@ def test_slow_reader_is_aborted_and_does_not_stall_others(server):
     slow = socket.socket()
     slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
     slow.connect(("127.0.0.1", server.port))
-    body = json.dumps({"text": "Once", "stream": True,
-                       "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}).encode()
-    slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    body = json.dumps(
+        {"text": "Once", "stream": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    ).encode()
+    slow.sendall(
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     out: dict = {}
     stream_gaps(server, out, 200)  # another client meanwhile
     assert out["finish"] == "length" and out["max_gap"] < 1.0, out
@@ -161,8 +197,20 @@ def test_slow_reader_is_aborted_and_does_not_stall_others(server):
 
 def _open_stream(server, prompt: str, max_tokens: int) -> tuple[httpx.Client, httpx.Response]:
     client = httpx.Client(base_url=server.url, timeout=30)
-    resp = client.send(client.build_request("POST", "/v1/completions", json={
-        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}), stream=True)
+    resp = client.send(
+        client.build_request(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ),
+        stream=True,
+    )
     return client, resp
 
 
@@ -172,8 +220,11 @@ def test_disconnect_frees_the_request(server, when):
     before = server.post("/v1/completions", greedy).json()["choices"][0]["text"]
     if when == "before the first token":  # the client gives up while its 3,000-token prompt prefills
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(10, read=0.05), json={
-                "model": "tiny", "prompt": "many words " * 1500, "max_tokens": 500, "stream": True})
+            httpx.post(
+                server.url + "/v1/completions",
+                timeout=httpx.Timeout(10, read=0.05),
+                json={"model": "tiny", "prompt": "many words " * 1500, "max_tokens": 500, "stream": True},
+            )
     else:
         client, resp = _open_stream(server, "Once", 8 if when == "after the last token" else 2000)
         lines = resp.iter_lines()

@@ -21,8 +21,11 @@ from test_lifecycle import wait_gone
 def start(model: str, tmp_path, *args: str) -> Server:
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    return Server([model, "--served-model-name", "tiny", "--kv-cache-tokens", "16384", *args],
-                  tmp_path / "server.log", env={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)})
+    return Server(
+        [model, "--served-model-name", "tiny", "--kv-cache-tokens", "16384", *args],
+        tmp_path / "server.log",
+        env={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)},
+    )
 
 
 def ipc_dirs(tmp_path) -> list[str]:
@@ -41,13 +44,18 @@ class Stream(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": self.max_tokens, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": "tiny",
+            "prompt": "Once upon a time",
+            "max_tokens": self.max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
             with httpx.stream("POST", self.server.url + "/v1/completions", json=body, timeout=60) as resp:
                 for line in resp.iter_lines():
                     if line.startswith("data: "):
-                        payload = line[len("data: "):]
+                        payload = line[len("data: ") :]
                         self.events.append(payload if payload == "[DONE]" else json.loads(payload))
                         self.started.set()
         except httpx.HTTPError as e:

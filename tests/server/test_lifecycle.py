@@ -38,10 +38,18 @@ def test_sigterm_stops_every_process(tiny_chat_model, tmp_path):
     children = child_pids(server.proc.pid)
     workers = set(server.workers.values())
     assert workers <= set(children)
-    assert sorted(worker_names(workers)) == ["minfer-detokeni", "minfer-schedule", "minfer-tokenize"]  # 15 chars
+    assert sorted(worker_names(workers)) == [
+        "minfer-detokeni",
+        "minfer-schedule",
+        "minfer-tokenize",
+    ]  # 15 chars
     # A request in flight does not keep the server up.
-    stream = httpx.stream("POST", server.url + "/v1/completions", timeout=30,
-                          json={"prompt": "hi", "max_tokens": 3000, "ignore_eos": True, "stream": True})
+    stream = httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        timeout=30,
+        json={"prompt": "hi", "max_tokens": 3000, "ignore_eos": True, "stream": True},
+    )
     resp = stream.__enter__()
     next(resp.iter_lines())
     assert server.stop(signal.SIGTERM, timeout=20) == 0
@@ -76,9 +84,15 @@ def test_dead_worker_makes_server_unhealthy_and_exit(tiny_chat_model, tmp_path):
 def test_bad_model_fails_fast(tmp_path):
     log = tmp_path / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.run([sys.executable, "-m", "minfer", "serve", str(tmp_path / "no-such-model"),
-                               "--port", "1"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO, timeout=120,
-                              env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "minfer", "serve", str(tmp_path / "no-such-model"), "--port", "1"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            check=False,
+        )
     assert proc.returncode == 1
     text = log.read_text()
     assert "failed to start" in text and "no-such-model" in text
@@ -87,9 +101,13 @@ def test_bad_model_fails_fast(tmp_path):
 def test_sigterm_while_loading(tiny_chat_model, tmp_path):
     log = tmp_path / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "minfer", "serve", tiny_chat_model, "--port", "1"],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "minfer", "serve", tiny_chat_model, "--port", "1"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         deadline = time.monotonic() + 60
         while "loading" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.05)

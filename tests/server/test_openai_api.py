@@ -17,15 +17,37 @@ from server_harness import Server, parse_sse
 
 from minfer import LLM, SamplingParams
 
-PROMPTS = [f"Request number {i}: tell me about {topic}" for i, topic in enumerate(
-    ["cats", "dogs", "the sea", "Paris", "numbers", "music", "rain", "trains", "tea", "stars", "bread",
-     "rivers", "clocks", "snow", "maps", "ants"])]
+PROMPTS = [
+    f"Request number {i}: tell me about {topic}"
+    for i, topic in enumerate(
+        [
+            "cats",
+            "dogs",
+            "the sea",
+            "Paris",
+            "numbers",
+            "music",
+            "rain",
+            "trains",
+            "tea",
+            "stars",
+            "bread",
+            "rivers",
+            "clocks",
+            "snow",
+            "maps",
+            "ants",
+        ]
+    )
+]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model, tmp_path_factory):
-    srv = Server([tiny_chat_model, "--served-model-name", "tiny", "--kv-cache-tokens", "16384"],
-                 tmp_path_factory.mktemp("logs") / "server.log")
+    srv = Server(
+        [tiny_chat_model, "--served-model-name", "tiny", "--kv-cache-tokens", "16384"],
+        tmp_path_factory.mktemp("logs") / "server.log",
+    )
     yield srv
     srv.stop()
 
@@ -80,8 +102,9 @@ def test_models_health_info(server, client):
 
 
 def test_completion(server, client, offline):
-    raw = server.post("/v1/completions", {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 12,
-                                          "temperature": 0}).json()
+    raw = server.post(
+        "/v1/completions", {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+    ).json()
     out = Completion.model_validate(raw)
     expected = offline.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     assert out.choices[0].text == expected.text
@@ -94,8 +117,14 @@ def test_completion(server, client, offline):
 
 
 def test_completion_stream(server, client):
-    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 10, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPTS[1],
+        "max_tokens": 10,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     resp = server.post("/v1/completions", body)
     assert resp.headers["content-type"].startswith("text/event-stream")
     chunks = parse_sse(resp.text)
@@ -109,14 +138,20 @@ def test_completion_stream(server, client):
     text = "".join(c["choices"][0]["text"] for c in content)
     full = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=0)
     assert text == full.choices[0].text
-    streamed = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=0,
-                                         stream=True)
+    streamed = client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text
 
 
 def test_continuous_usage_stats(server):
-    body = {"prompt": PROMPTS[2], "max_tokens": 5, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "prompt": PROMPTS[2],
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     chunks = parse_sse(server.post("/v1/completions", body).text)
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 5
@@ -126,25 +161,35 @@ def test_continuous_usage_stats(server):
 def test_prompt_forms(server, offline):
     ids = offline.tokenizer.encode(PROMPTS[3])
     params = {"max_tokens": 6, "temperature": 0}
-    by_text = Completion.model_validate(server.post("/v1/completions", {"prompt": PROMPTS[3], **params}).json())
+    by_text = Completion.model_validate(
+        server.post("/v1/completions", {"prompt": PROMPTS[3], **params}).json()
+    )
     by_ids = Completion.model_validate(server.post("/v1/completions", {"prompt": ids, **params}).json())
     assert by_ids.choices[0].text == by_text.choices[0].text
-    batch = Completion.model_validate(server.post("/v1/completions", {"prompt": [PROMPTS[3], PROMPTS[4]],
-                                                                      **params}).json())
+    batch = Completion.model_validate(
+        server.post("/v1/completions", {"prompt": [PROMPTS[3], PROMPTS[4]], **params}).json()
+    )
     assert [c.index for c in batch.choices] == [0, 1]
     assert batch.choices[0].text == by_text.choices[0].text
-    batch_ids = Completion.model_validate(server.post("/v1/completions", {"prompt": [ids, ids], **params}).json())
+    batch_ids = Completion.model_validate(
+        server.post("/v1/completions", {"prompt": [ids, ids], **params}).json()
+    )
     assert [c.text for c in batch_ids.choices] == [by_text.choices[0].text] * 2
-    n2 = Completion.model_validate(server.post("/v1/completions", {"prompt": PROMPTS[3], "n": 2, **params}).json())
+    n2 = Completion.model_validate(
+        server.post("/v1/completions", {"prompt": PROMPTS[3], "n": 2, **params}).json()
+    )
     assert [c.text for c in n2.choices] == [by_text.choices[0].text] * 2
     assert n2.usage.prompt_tokens == len(ids)
 
 
 def test_chat(server, client, offline):
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
-    raw = server.post("/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 12,
-                                               "temperature": 0}).json()
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+    ]
+    raw = server.post(
+        "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0}
+    ).json()
     out = ChatCompletion.model_validate(raw)
     plain = [messages[0], {"role": "user", "content": "Name a colour."}]
     expected = offline.chat(plain, SamplingParams(temperature=0, max_tokens=12))[0]
@@ -152,9 +197,17 @@ def test_chat(server, client, offline):
     assert out.choices[0].message.content == expected.text
     assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
 
-    resp = server.post("/v1/chat/completions", {"model": "tiny", "messages": messages, "max_completion_tokens": 12,
-                                                "temperature": 0, "stream": True,
-                                                "stream_options": {"include_usage": True}})
+    resp = server.post(
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": messages,
+            "max_completion_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     chunks = [ChatCompletionChunk.model_validate(c) for c in parse_sse(resp.text)]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
@@ -162,8 +215,9 @@ def test_chat(server, client, offline):
     assert finishes[-1] == expected.finish_reason and not any(finishes[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
-    via_client = client.chat.completions.create(model="tiny", messages=plain, max_tokens=12, temperature=0,
-                                                stream=True)
+    via_client = client.chat.completions.create(
+        model="tiny", messages=plain, max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in via_client if c.choices) == expected.text
 
 
@@ -184,8 +238,9 @@ def test_concurrent_streams_match_offline(server, offline):
     aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
     async def one(prompt: str) -> tuple[str, str]:
-        stream = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
-                                                  stream=True)
+        stream = await aclient.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True
+        )
         text, finish = "", None
         async for chunk in stream:
             text += chunk.choices[0].text
@@ -208,14 +263,15 @@ def test_concurrent_streams_match_offline(server, offline):
 def test_stop_string(server):
     body = {"prompt": PROMPTS[5], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     full = server.post("/v1/completions", body).json()["choices"][0]["text"]
-    stop = full[len(full) // 2: len(full) // 2 + 3]
-    cut = full[:full.find(stop)]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = full[: full.find(stop)]
     out = Completion.model_validate(server.post("/v1/completions", {**body, "stop": stop}).json())
     assert out.choices[0].text == cut
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].model_extra["stop_reason"] == stop
-    chunks = parse_sse(server.post("/v1/completions", {**body, "stop": ["\x00never", stop],
-                                                       "stream": True}).text)
+    chunks = parse_sse(
+        server.post("/v1/completions", {**body, "stop": ["\x00never", stop], "stream": True}).text
+    )
     assert "".join(c["choices"][0]["text"] for c in chunks) == cut
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert_kv_all_free(wait_idle(server))  # the scheduler aborted it
@@ -223,12 +279,14 @@ def test_stop_string(server):
 
 def test_stop_token_ids_and_min_tokens(server, offline):
     body = {"prompt": PROMPTS[6], "max_tokens": 20, "temperature": 0, "ignore_eos": True}
-    ids = server.post("/generate", {"text": PROMPTS[6], "sampling_params": {
-        "max_new_tokens": 20, "temperature": 0, "ignore_eos": True}}).json()["output_ids"]
+    ids = server.post(
+        "/generate",
+        {"text": PROMPTS[6], "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}},
+    ).json()["output_ids"]
     out = server.post("/v1/completions", {**body, "stop_token_ids": [ids[4]]}).json()["choices"][0]
     first = ids.index(ids[4])
     assert out["finish_reason"] == "stop" and out["stop_reason"] == ids[4]
-    assert out["text"] == offline.decode(ids[:first + 1])
+    assert out["text"] == offline.decode(ids[: first + 1])
     late = server.post("/v1/completions", {**body, "stop_token_ids": [ids[0]], "min_tokens": 5}).json()
     assert late["usage"]["completion_tokens"] >= 5
 
@@ -257,13 +315,17 @@ def test_non_stream_disconnect_frees_kv(server):
 
 
 def test_abort_request_by_rid(server):
-    body = {"text": PROMPTS[9], "rid": "my-request", "stream": True,
-            "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "text": PROMPTS[9],
+        "rid": "my-request",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True},
+    }
     events = []
     with httpx.stream("POST", server.url + "/generate", json=body, timeout=30) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: "):
-                events.append(line[len("data: "):])
+                events.append(line[len("data: ") :])
                 if len(events) == 1:
                     r = server.post("/abort_request", {"rid": "my-request"})
                     assert r.status_code == 200 and r.json()["aborted"] == 1
@@ -284,9 +346,13 @@ def test_generate(server, offline):
     assert meta["prompt_tokens"] == len(expected.prompt_token_ids) and meta["completion_tokens"] == 8
     assert meta["finish_reason"] == {"type": "length", "length": 8}
     assert meta["e2e_latency"] > 0 and meta["timings"]["first_token_s"] > 0
-    batch = server.post("/generate", {"input_ids": [expected.prompt_token_ids] * 2, "sampling_params": sp}).json()
+    batch = server.post(
+        "/generate", {"input_ids": [expected.prompt_token_ids] * 2, "sampling_params": sp}
+    ).json()
     assert [b["text"] for b in batch] == [expected.text] * 2
-    events = parse_sse(server.post("/generate", {"text": PROMPTS[10], "sampling_params": sp, "stream": True}).text)
+    events = parse_sse(
+        server.post("/generate", {"text": PROMPTS[10], "sampling_params": sp, "stream": True}).text
+    )
     texts = [e["text"] for e in events]
     assert all(b.startswith(a) for a, b in itertools.pairwise(texts)) and texts[-1] == expected.text
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
@@ -329,8 +395,13 @@ BAD_REQUESTS = [
     ("max_tokens beyond int64", COMPLETIONS, {"prompt": "x", "max_tokens": 10**30}, 400, "max_tokens"),
     ("max_tokens beyond the context", COMPLETIONS, {"prompt": "x", "max_tokens": 10**12}, 400, "max_tokens"),
     ("temperature NaN", COMPLETIONS, b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
-    ("top_p infinite", CHAT, b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}', 400,
-     "top_p"),
+    (
+        "top_p infinite",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}',
+        400,
+        "top_p",
+    ),
     ("seed beyond int64", COMPLETIONS, {"prompt": "x", "seed": 2**70}, 400, "seed"),
     ("token id beyond int64", COMPLETIONS, {"prompt": [2**70]}, 400, "prompt"),
     ("negative token id", COMPLETIONS, {"prompt": [5, -1]}, 400, "prompt"),
@@ -339,27 +410,77 @@ BAD_REQUESTS = [
     ("messages not a list", CHAT, {"messages": "hello"}, 400, "messages"),
     ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ("message without role", CHAT, {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
-    ("image part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, "messages[0].content"),
+    (
+        "image part",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages[0].content",
+    ),
     ("no prompt", COMPLETIONS, {"max_tokens": 3}, 400, "prompt"),
     ("empty prompt", COMPLETIONS, {"prompt": ""}, 400, "prompt"),
     ("token id outside vocab", COMPLETIONS, {"prompt": [1, 2, 10**7]}, 400, "prompt"),
     ("unknown model", COMPLETIONS, {"model": "gpt-9", "prompt": "x"}, 404, "model"),
     ("unknown model chat", CHAT, {"model": "gpt-9", "messages": HELLO}, 404, "model"),
-    ("stream with bad value", COMPLETIONS, {"prompt": "x", "max_tokens": 0, "stream": True}, 400, "max_tokens"),
+    (
+        "stream with bad value",
+        COMPLETIONS,
+        {"prompt": "x", "max_tokens": 0, "stream": True},
+        400,
+        "max_tokens",
+    ),
     ("logprobs too many", COMPLETIONS, {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ("top_logprobs without logprobs", CHAT, {"messages": HELLO, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("frequency_penalty too large", COMPLETIONS, {"prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty"),
-    ("repetition_penalty zero", COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
-    ("logit_bias key not a token id", COMPLETIONS, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
-    ("logit_bias token outside vocab", COMPLETIONS, {"prompt": "x", "logit_bias": {"99999999": 1}}, 400,
-     "logit_bias"),
-    ("tools", CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("unknown response_format", CHAT, {"messages": HELLO, "response_format": {"type": "xml"}}, 400,
-     "response_format"),
+    (
+        "frequency_penalty too large",
+        COMPLETIONS,
+        {"prompt": "x", "frequency_penalty": 3},
+        400,
+        "frequency_penalty",
+    ),
+    (
+        "repetition_penalty zero",
+        COMPLETIONS,
+        {"prompt": "x", "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+    ),
+    (
+        "logit_bias key not a token id",
+        COMPLETIONS,
+        {"prompt": "x", "logit_bias": {"abc": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias token outside vocab",
+        COMPLETIONS,
+        {"prompt": "x", "logit_bias": {"99999999": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "tools",
+        CHAT,
+        {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+    ),
+    (
+        "unknown response_format",
+        CHAT,
+        {"messages": HELLO, "response_format": {"type": "xml"}},
+        400,
+        "response_format",
+    ),
     ("generate without prompt", "/generate", {"sampling_params": {}}, 400, "text"),
-    ("generate bad temperature", "/generate", {"text": "x", "sampling_params": {"temperature": -1}}, 400,
-     "sampling_params.temperature"),
+    (
+        "generate bad temperature",
+        "/generate",
+        {"text": "x", "sampling_params": {"temperature": -1}},
+        400,
+        "sampling_params.temperature",
+    ),
     ("tokenize nothing", "/tokenize", {}, 400, "prompt"),
     ("detokenize outside vocab", "/detokenize", {"tokens": [-1]}, 400, None),
 ]
@@ -373,7 +494,11 @@ def check_error(resp: httpx.Response, status: int, param: str | None) -> dict:
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert isinstance(err["message"], str) and err["message"]
-    assert "Traceback" not in resp.text and "pydantic" not in resp.text and "errors.pydantic.dev" not in resp.text
+    assert (
+        "Traceback" not in resp.text
+        and "pydantic" not in resp.text
+        and "errors.pydantic.dev" not in resp.text
+    )
     if param is not None:
         assert err["param"] == param, err
     return err
@@ -390,14 +515,23 @@ def test_context_overflow(server):
     n = len(server.post("/tokenize", {"prompt": prompt}).json()["tokens"])
     assert "4096" in err["message"] and str(n) in err["message"], err["message"]
     assert err["code"] == "context_length_exceeded"
-    chat = check_error(server.post(CHAT, {"messages": [{"role": "user", "content": prompt}], "max_tokens": 500,
-                                          "stream": True}), 400, "max_tokens")
+    chat = check_error(
+        server.post(
+            CHAT, {"messages": [{"role": "user", "content": prompt}], "max_tokens": 500, "stream": True}
+        ),
+        400,
+        "max_tokens",
+    )
     assert "4096" in chat["message"]
 
 
 def test_malformed_bodies(server):
-    bad_json = httpx.post(server.url + COMPLETIONS, content=b"{not json", timeout=10,
-                          headers={"content-type": "application/json"})
+    bad_json = httpx.post(
+        server.url + COMPLETIONS,
+        content=b"{not json",
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
     assert "JSON" in check_error(bad_json, 400, None)["message"]
     check_error(httpx.get(server.url + "/v1/nothing-here"), 404, None)
     check_error(httpx.get(server.url + COMPLETIONS), 405, None)
@@ -410,8 +544,9 @@ def test_openai_client_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=HELLO)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], top_p=7,
-                                       stream=True)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], top_p=7, stream=True
+        )
 
 
 def test_still_healthy_after_everything(server, client):

@@ -21,9 +21,18 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model, tmp_path_factory):
-    srv = Server([tiny_chat_model, "--served-model-name", "tiny", "--kv-cache-tokens", "16384",
-                  "--chunked-prefill-size", "8"],  # prompt logprobs gathered over several chunks
-                 tmp_path_factory.mktemp("logs") / "server.log")
+    srv = Server(
+        [
+            tiny_chat_model,
+            "--served-model-name",
+            "tiny",
+            "--kv-cache-tokens",
+            "16384",
+            "--chunked-prefill-size",
+            "8",
+        ],  # prompt logprobs gathered over several chunks
+        tmp_path_factory.mktemp("logs") / "server.log",
+    )
     yield srv
     srv.stop()
 
@@ -60,7 +69,9 @@ def test_completion_echo_logprobs_equal_transformers(server, reference):
     assert choice["text"].startswith(PROMPT)
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     # The generated tokens, from /generate with the same prompt ids.
-    out = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, **GREEDY}}).json()
+    out = server.post(
+        "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, **GREEDY}}
+    ).json()
     full = ids + out["output_ids"]
     ref = reference(full)
     expected = ref[torch.arange(len(full) - 1), torch.tensor(full[1:])]
@@ -75,8 +86,8 @@ def test_completion_echo_logprobs_equal_transformers(server, reference):
     # for the null logprob of the first prompt token, which OpenAI and vLLM return with echo.)
     plain = Completion.model_validate(server.post("/v1/completions", {**body, "echo": False}).json())
     plain = plain.model_dump()["choices"][0]
-    assert plain["logprobs"]["token_logprobs"] == lp["token_logprobs"][len(ids):]
-    assert plain["text"] == choice["text"][len(PROMPT):]
+    assert plain["logprobs"]["token_logprobs"] == lp["token_logprobs"][len(ids) :]
+    assert plain["text"] == choice["text"][len(PROMPT) :]
 
 
 def test_completion_logprobs_stream(server):
@@ -91,8 +102,13 @@ def test_completion_logprobs_stream(server):
 
 
 def test_chat_logprobs(server):
-    body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5, "logprobs": True,
-            "top_logprobs": 4, **GREEDY}
+    body = {
+        "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": 5,
+        "logprobs": True,
+        "top_logprobs": 4,
+        **GREEDY,
+    }
     resp = server.post("/v1/chat/completions", body).json()
     ChatCompletion.model_validate(resp)
     content = resp["choices"][0]["logprobs"]["content"]
@@ -108,8 +124,14 @@ def test_chat_logprobs(server):
 
 def test_generate_logprobs(server, reference):
     ids = prompt_ids(server, PROMPT)
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, **GREEDY}, "return_logprob": True,
-            "logprob_start_len": 2, "top_logprobs_num": 2, "return_text_in_logprobs": True}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 4, **GREEDY},
+        "return_logprob": True,
+        "logprob_start_len": 2,
+        "top_logprobs_num": 2,
+        "return_text_in_logprobs": True,
+    }
     meta = server.post("/generate", body).json()["meta_info"]
     inputs, outputs = meta["input_token_logprobs"], meta["output_token_logprobs"]
     assert [t[1] for t in inputs] == ids[2:] and len(outputs) == 4
@@ -120,8 +142,10 @@ def test_generate_logprobs(server, reference):
     assert torch.allclose(torch.tensor(got), expected, atol=2e-4)
     for top in meta["output_top_logprobs"]:
         assert len(top) == 2 and isinstance(top[0][2], str)
-    assert "input_token_logprobs" not in server.post("/generate", {**body, "logprob_start_len": -1}).json()[
-        "meta_info"]
+    assert (
+        "input_token_logprobs"
+        not in server.post("/generate", {**body, "logprob_start_len": -1}).json()["meta_info"]
+    )
 
 
 def generate_ids(server: Server, **sampling) -> list[int]:
@@ -164,8 +188,9 @@ def test_min_tokens_suppresses_eos_in_the_logits(server):
 def test_n_choices_prefill_the_prompt_once(server, prompt_len):
     ids = [100 + (7 * i + prompt_len) % 5000 for i in range(prompt_len)]
     before = server.info()["counters"]["prefill_tokens_computed"]
-    resp = server.post("/v1/completions", {"prompt": ids, "n": 3, "max_tokens": 4, "temperature": 1.0,
-                                           "ignore_eos": True}).json()
+    resp = server.post(
+        "/v1/completions", {"prompt": ids, "n": 3, "max_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+    ).json()
     assert sorted(c["index"] for c in resp["choices"]) == [0, 1, 2]
     computed = server.info()["counters"]["prefill_tokens_computed"] - before
     # The first copy computes the prompt; the others only its last token (it has no logits cached).
@@ -174,16 +199,35 @@ def test_n_choices_prefill_the_prompt_once(server, prompt_len):
 
 # Enums, booleans and bounded integers: a random model cannot talk forever inside them.
 SCHEMAS = [
-    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
-     "required": ["colour", "ok"], "additionalProperties": False},
-    {"type": "object", "properties": {
-        "inner": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
-                                                   "kind": {"enum": ["a", "b"]}},
-                  "required": ["n", "kind"], "additionalProperties": False},
-        "flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3}},
-     "required": ["inner", "flags"], "additionalProperties": False},
-    {"type": "object", "properties": {"level": {"enum": [1, 2, 3]}, "empty": {"type": "null"}},
-     "required": ["level", "empty"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+        "required": ["colour", "ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "inner": {
+                "type": "object",
+                "properties": {
+                    "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "kind": {"enum": ["a", "b"]},
+                },
+                "required": ["n", "kind"],
+                "additionalProperties": False,
+            },
+            "flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
+        },
+        "required": ["inner", "flags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"level": {"enum": [1, 2, 3]}, "empty": {"type": "null"}},
+        "required": ["level", "empty"],
+        "additionalProperties": False,
+    },
 ]
 
 
@@ -194,32 +238,51 @@ def test_json_schema_responses_validate(server, schema):
     import jsonschema
 
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
-    body = {"messages": [{"role": "user", "content": "Answer in JSON"}], "max_tokens": 80, "n": 3,
-            "temperature": 1.0, "seed": 7, "response_format": fmt}
+    body = {
+        "messages": [{"role": "user", "content": "Answer in JSON"}],
+        "max_tokens": 80,
+        "n": 3,
+        "temperature": 1.0,
+        "seed": 7,
+        "response_format": fmt,
+    }
     resp = server.post("/v1/chat/completions", body).json()
     assert len(resp["choices"]) == 3
     for choice in resp["choices"]:
         assert choice["finish_reason"] == "stop", choice
         jsonschema.validate(json.loads(choice["message"]["content"]), schema)
-    completion = server.post("/v1/completions", {"prompt": "JSON:", "max_tokens": 80, "response_format": fmt,
-                                                 "temperature": 0}).json()["choices"][0]
+    completion = server.post(
+        "/v1/completions", {"prompt": "JSON:", "max_tokens": 80, "response_format": fmt, "temperature": 0}
+    ).json()["choices"][0]
     jsonschema.validate(json.loads(completion["text"]), schema)
 
 
 def test_json_object_regex_and_invalid_grammars(server):
     import re
 
-    out = server.post("/generate", {"text": "Answer:", "sampling_params": {
-        "max_new_tokens": 10, "regex": "(yes|no)-[0-9]{3}"}}).json()
+    out = server.post(
+        "/generate",
+        {"text": "Answer:", "sampling_params": {"max_new_tokens": 10, "regex": "(yes|no)-[0-9]{3}"}},
+    ).json()
     assert re.fullmatch("(yes|no)-[0-9]{3}", out["text"]), out["text"]
     ebnf = 'root ::= "A" ("B" | "C") "."'
-    assert server.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 5, "ebnf": ebnf}}).json()[
-        "text"] in ("AB.", "AC.")
-    bad = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                     "response_format": {"type": "json_schema",
-                                                         "json_schema": {"name": "x", "schema": {"type": "nope"}}}}),
-           ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}),
-           ("/generate", {"text": "x", "sampling_params": {"regex": "("}})]
+    assert server.post(
+        "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 5, "ebnf": ebnf}}
+    ).json()["text"] in ("AB.", "AC.")
+    bad = [
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nope"}},
+                },
+            },
+        ),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}),
+        ("/generate", {"text": "x", "sampling_params": {"regex": "("}}),
+    ]
     for path, body in bad:
         resp = server.post(path, body)
         assert resp.status_code == 400 and resp.json()["error"]["param"] is not None, resp.text
@@ -267,21 +330,51 @@ def test_lm_evaluation_harness_runs_offline(server, tmp_path):
     import subprocess
     import sys
 
-    mc = [{"question": f"Question {i}: the colour of the sky is", "choices": [" blue", " green", " red"],
-           "label": 0} for i in range(4)]
+    mc = [
+        {
+            "question": f"Question {i}: the colour of the sky is",
+            "choices": [" blue", " green", " red"],
+            "label": 0,
+        }
+        for i in range(4)
+    ]
     gen = [{"question": f"Say a word number {i}:", "answer": "word"} for i in range(3)]
     for name, rows, template in (("mc", mc, MC_TASK), ("gen", gen, GEN_TASK)):
         data = tmp_path / f"{name}.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         (tmp_path / f"{name}.yaml").write_text(template.format(data=data))
-    model_args = (f"model=tiny,base_url={server.url}/v1/completions,tokenizer_backend=remote,"
-                  "num_concurrent=2,max_retries=1")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
-    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions",
-                           "--model_args", model_args, "--tasks", "minfer_mc,minfer_gen",
-                           "--include_path", str(tmp_path), "--output_path", str(tmp_path / "out")],
-                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    model_args = (
+        f"model=tiny,base_url={server.url}/v1/completions,tokenizer_backend=remote,"
+        "num_concurrent=2,max_retries=1"
+    )
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            "local-completions",
+            "--model_args",
+            model_args,
+            "--tasks",
+            "minfer_mc,minfer_gen",
+            "--include_path",
+            str(tmp_path),
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())["results"]
     assert 0 <= results["minfer_mc"]["acc,none"] <= 1

@@ -23,9 +23,11 @@ CHECKS = [not_a_server_error, response_schema_conformance]
 @pytest.fixture(scope="module")
 def server(tiny_chat_model, tmp_path_factory):
     # A short context keeps every generated request quick (chat without max_tokens fills it).
-    srv = Server([tiny_chat_model, "--kv-cache-tokens", "2048", "--max-model-len", "64",
-                  "--max-batch-prompts", "4"], tmp_path_factory.mktemp("logs") / "server.log",
-                 env={"OMP_NUM_THREADS": "1"})
+    srv = Server(
+        [tiny_chat_model, "--kv-cache-tokens", "2048", "--max-model-len", "64", "--max-batch-prompts", "4"],
+        tmp_path_factory.mktemp("logs") / "server.log",
+        env={"OMP_NUM_THREADS": "1"},
+    )
     yield srv
     srv.stop()
 
@@ -35,8 +37,13 @@ def fuzz(operation, base_url: str, max_examples: int, own_operation=None) -> Non
     must match the server's own schema (`own_operation` for a request generated from OpenAI's
     spec: what the server publishes is what it must keep)."""
 
-    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=operation.as_strategy())
     def run(case):
         response = case.call(base_url=base_url, timeout=60)
@@ -59,10 +66,14 @@ def test_own_openapi(server):
 
 
 def test_openai_spec_completions_and_chat(server):
-    spec = schemathesis.openapi.from_path(OPENAI_SPEC).include(path_regex=r"^/(chat/)?completions$", method="POST")
+    spec = schemathesis.openapi.from_path(OPENAI_SPEC).include(
+        path_regex=r"^/(chat/)?completions$", method="POST"
+    )
     own = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [result.ok() for result in spec.get_all_operations()]
     assert len(operations) == 2
     for operation in operations:
-        fuzz(operation, server.url + "/v1", max_examples=40, own_operation=own["/v1" + operation.path]["POST"])
+        fuzz(
+            operation, server.url + "/v1", max_examples=40, own_operation=own["/v1" + operation.path]["POST"]
+        )
     assert httpx.get(server.url + "/health").status_code == 200

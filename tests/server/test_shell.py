@@ -23,8 +23,7 @@ def test_history_reset_exit(tiny_chat_model, monkeypatch, capsys):
     lines = iter(["/temp 0", "first question", "second question", "/reset", "third question", "/exit"])
     monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
     assert run_shell(EngineConfig(model=tiny_chat_model, kv_cache_tokens=8192, max_model_len=512)) == 0
-    assert [[m["role"] for m in conv] for conv in seen] == [
-        ["user"], ["user", "assistant", "user"], ["user"]]
+    assert [[m["role"] for m in conv] for conv in seen] == [["user"], ["user", "assistant", "user"], ["user"]]
     assert seen[1][0]["content"] == "first question" and seen[1][2]["content"] == "second question"
     assert seen[2][0]["content"] == "third question"
     out = capsys.readouterr().out
@@ -35,7 +34,10 @@ def test_fit_history_drops_oldest_exchanges(tiny_chat_model):
     llm = LLM(tiny_chat_model, kv_cache_tokens=4096, max_model_len=128)
     history = []
     for i in range(20):
-        history += [{"role": "user", "content": f"question {i} " * 5}, {"role": "assistant", "content": "answer " * 5}]
+        history += [
+            {"role": "user", "content": f"question {i} " * 5},
+            {"role": "assistant", "content": "answer " * 5},
+        ]
     history.append({"role": "user", "content": "last"})
     ids = fit_history(llm, history)
     assert len(ids) < 128 - 16
@@ -53,7 +55,13 @@ def test_shell_reply_at_tp2_equals_tp1(tiny_chat_model):
     for tp in (1, 2):
         llm = LLM(tiny_chat_model, kv_cache_tokens=2048, max_model_len=256, tp=tp, log_level="warning")
         ids = llm.apply_chat_template([{"role": "user", "content": "hello there"}])
-        replies.append(stream_reply(llm, ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                                    write=lambda _text: None))
+        replies.append(
+            stream_reply(
+                llm,
+                ids,
+                SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                write=lambda _text: None,
+            )
+        )
         llm.shutdown()
     assert replies[0] == replies[1] and replies[0]

@@ -23,13 +23,29 @@ WARMUP_REQUESTS = 60
 # Resident memory of the server and its workers may grow (allocator arenas, caches) but not
 # with the number of requests served: 600 requests may add at most this much.
 RSS_GROWTH_BOUND_MB = 150
-WORDS = ["cats", "dogs", "rain", "trains", "tea", "stars", "bread", "rivers", "clocks", "snow", "maps", "ants"]
+WORDS = [
+    "cats",
+    "dogs",
+    "rain",
+    "trains",
+    "tea",
+    "stars",
+    "bread",
+    "rivers",
+    "clocks",
+    "snow",
+    "maps",
+    "ants",
+]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model, tmp_path_factory):
-    srv = Server([tiny_chat_model, "--kv-cache-tokens", "4096", "--log-level", "warning"],
-                 tmp_path_factory.mktemp("soak") / "server.log", env={"OMP_NUM_THREADS": "1"})
+    srv = Server(
+        [tiny_chat_model, "--kv-cache-tokens", "4096", "--log-level", "warning"],
+        tmp_path_factory.mktemp("soak") / "server.log",
+        env={"OMP_NUM_THREADS": "1"},
+    )
     yield srv
     srv.stop()
 
@@ -45,7 +61,11 @@ def rss_mb(pids) -> float:
 def make_request(rng: random.Random) -> dict:
     """A random request: chat or completion, streamed or not, sometimes n > 1 or a stop string."""
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 40)))
-    body = {"max_tokens": rng.randint(1, 12), "temperature": rng.choice([0, 0.8]), "seed": rng.randrange(1000)}
+    body = {
+        "max_tokens": rng.randint(1, 12),
+        "temperature": rng.choice([0, 0.8]),
+        "seed": rng.randrange(1000),
+    }
     if rng.random() < 0.5:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": words}]
     else:
@@ -57,7 +77,11 @@ def make_request(rng: random.Random) -> dict:
     if rng.random() < 0.5:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-    return {"path": path, "body": body, "cancel_after": rng.choice([0, 1, 3]) if rng.random() < CANCEL_SHARE else None}
+    return {
+        "path": path,
+        "body": body,
+        "cancel_after": rng.choice([0, 1, 3]) if rng.random() < CANCEL_SHARE else None,
+    }
 
 
 def check_completed(body: dict, status: int, payload) -> None:
@@ -67,7 +91,9 @@ def check_completed(body: dict, status: int, payload) -> None:
     if body.get("stream"):
         chunks = payload
         usage = chunks[-1]["usage"]
-        finishes = {c["index"]: c["finish_reason"] for ch in chunks for c in ch["choices"] if c.get("finish_reason")}
+        finishes = {
+            c["index"]: c["finish_reason"] for ch in chunks for c in ch["choices"] if c.get("finish_reason")
+        }
     else:
         usage = payload["usage"]
         finishes = {c["index"]: c["finish_reason"] for c in payload["choices"]}
@@ -100,7 +126,7 @@ async def run_one(client: httpx.AsyncClient, spec: dict) -> str:
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunks.append(json.loads(line[len("data: "):]))
+            chunks.append(json.loads(line[len("data: ") :]))
             if cancel_after is not None and len(chunks) >= cancel_after:
                 return "cancelled"  # leaving the block closes the connection mid-stream
     check_completed(body, r.status_code, chunks)
@@ -110,9 +136,11 @@ async def run_one(client: httpx.AsyncClient, spec: dict) -> str:
 async def soak(url: str, specs: list[dict]) -> list[str]:
     sem = asyncio.Semaphore(CONCURRENCY)
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
         async def limited(spec):
             async with sem:
                 return await run_one(client, spec)
+
         return await asyncio.gather(*(limited(s) for s in specs))
 
 

@@ -8,8 +8,13 @@ import pytest
 
 from minfer.tokenizer.detokenizer import IncrementalDetokenizer
 
-TEXTS = ["Hello, world! Plain ASCII.", "héllo wörld naïve café", "你好，世界。日本語のテキスト",
-         "emoji 🎉🎉 and flags 🇫🇷 and family 👨‍👩‍👧", "tabs\tand\nnewlines  double  spaces"]
+TEXTS = [
+    "Hello, world! Plain ASCII.",
+    "héllo wörld naïve café",
+    "你好，世界。日本語のテキスト",
+    "emoji 🎉🎉 and flags 🇫🇷 and family 👨‍👩‍👧",
+    "tabs\tand\nnewlines  double  spaces",
+]
 
 
 class SlowOnly:

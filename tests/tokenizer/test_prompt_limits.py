@@ -57,8 +57,11 @@ def test_a_long_prompt_is_refused_after_a_few_pieces(tokenizer):
     assert counting.encoded_chars < 40000  # stopped after a few 16 KB pieces
 
 
-@pytest.mark.parametrize("text", ["The quick brown fox.  Jumps\n\nover " * 900, "abcdefgh" * 5000, "é " * 9000],
-                         ids=["sentences", "one long word", "accented"])
+@pytest.mark.parametrize(
+    "text",
+    ["The quick brown fox.  Jumps\n\nover " * 900, "abcdefgh" * 5000, "é " * 9000],
+    ids=["sentences", "one long word", "accented"],
+)
 def test_prompts_that_fit_are_tokenized_exactly(tokenizer, text):
     ids = tokenizer.encode(text)
     meter = PromptMeter(tokenizer, max_prompt_tokens=len(ids))
@@ -73,7 +76,11 @@ def test_worker_refuses_a_huge_chat_message_fast(tokenizer):
     w = TokenizerWorker(tokenizer, to_scheduler.append, to_api.append)
     w.handle(m.PromptLimits(max_prompt_tokens=8191))
     start = time.monotonic()
-    w.handle(m.GenerateRequest(uid=1, params=SamplingParams(), messages=[{"role": "user", "content": "a" * 20_000_000}]))
+    w.handle(
+        m.GenerateRequest(
+            uid=1, params=SamplingParams(), messages=[{"role": "user", "content": "a" * 20_000_000}]
+        )
+    )
     w.handle(m.GenerateRequest(uid=2, params=SamplingParams(), prompt="b " * 2_000_000))
     assert time.monotonic() - start < 1.0
     assert not to_scheduler

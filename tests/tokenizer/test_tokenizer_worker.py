@@ -48,12 +48,15 @@ def worker(tokenizer):
 
 def outputs(*rows) -> m.TokenOutputs:
     uids, tokens, finishes, stops = zip(*rows)
-    return m.TokenOutputs(uids=list(uids), token_ids=list(tokens), finish_reasons=list(finishes),
-                          stop_reasons=list(stops))
+    return m.TokenOutputs(
+        uids=list(uids), token_ids=list(tokens), finish_reasons=list(finishes), stop_reasons=list(stops)
+    )
 
 
 def test_messages_round_trip():
-    msg = m.GenerateRequest(uid=3, params=SamplingParams(stop=["x"], seed=1), messages=[{"role": "user", "content": "hi"}])
+    msg = m.GenerateRequest(
+        uid=3, params=SamplingParams(stop=["x"], seed=1), messages=[{"role": "user", "content": "hi"}]
+    )
     assert m.decode(m.encode(msg), "tokenizer") == msg
     batch = m.ReplyBatch(replies=[m.Reply(1, "a", [5], 3, 1, "stop", "x")])
     assert m.decode(m.encode(batch), "api") == batch
@@ -71,7 +74,9 @@ def test_text_prompt_is_tokenized_and_replies_carry_text(worker, tokenizer):
     (batch,) = to_api
     assert "".join(r.text for r in batch.replies) == " General Kenobi"
     assert batch.replies[-1].finish_reason == "length"
-    assert batch.replies[-1].completion_tokens == len(ids) and batch.replies[-1].prompt_tokens == len(req.token_ids)
+    assert batch.replies[-1].completion_tokens == len(ids) and batch.replies[-1].prompt_tokens == len(
+        req.token_ids
+    )
     assert not w.requests
 
 
@@ -115,8 +120,11 @@ def test_failures_are_forwarded(worker):
 
 def test_tokenizer_calls(worker, tokenizer):
     w, _, to_api = worker
-    w.handle(m.TokenizerCall(call_id=1, kind="encode", text="hi there", add_special_tokens=False,
-                             return_token_strs=True))
+    w.handle(
+        m.TokenizerCall(
+            call_id=1, kind="encode", text="hi there", add_special_tokens=False, return_token_strs=True
+        )
+    )
     w.handle(m.TokenizerCall(call_id=2, kind="decode", token_ids=tokenizer.encode("hi there")))
     w.handle(m.TokenizerCall(call_id=3, kind="decode", token_ids=[len(tokenizer)]))
     w.handle(m.TokenizerCall(call_id=4, kind="info"))

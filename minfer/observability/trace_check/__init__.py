@@ -85,8 +85,9 @@ def check_events(events: list[dict]) -> TraceReport:
     return TraceReport(requests, errors, len(events), slot_events)
 
 
-def _check_frontend(frontend: list[tuple[int, dict]], streams: dict[int, SchedulerStream],
-                    errors: list[str]) -> None:
+def _check_frontend(
+    frontend: list[tuple[int, dict]], streams: dict[int, SchedulerStream], errors: list[str]
+) -> None:
     """received / tokenized / detokenized come from other processes, so only their counts and
     contents are checked, not their place in the file."""
     by_uid: dict[int, list[RequestCheck]] = {}
@@ -106,8 +107,10 @@ def _check_frontend(frontend: list[tuple[int, dict]], streams: dict[int, Schedul
         if seen[key] > len(checks):
             checks[-1].errors.append(f"event #{index}: {name} more than once")
         if name == schema.TOKENIZED.name and all(c.prompt_len != event.get("prompt_len") for c in checks):
-            checks[-1].errors.append(f"event #{index}: tokenized prompt_len {event.get('prompt_len')!r}, "
-                                     f"the scheduler queued {checks[-1].prompt_len}")
+            checks[-1].errors.append(
+                f"event #{index}: tokenized prompt_len {event.get('prompt_len')!r}, "
+                f"the scheduler queued {checks[-1].prompt_len}"
+            )
 
 
 def check_file(path: str) -> TraceReport:
@@ -118,21 +121,49 @@ def check_file(path: str) -> TraceReport:
 
 def format_report(report: TraceReport, max_errors: int = 3) -> str:
     """The pass/fail table, one line per request, then the errors of the failed ones."""
-    header = ("uid", "prompt", "hit", "prefill", "chunks", "decode", "output", "preempt", "end", "final c/d/e",
-              "check")
+    header = (
+        "uid",
+        "prompt",
+        "hit",
+        "prefill",
+        "chunks",
+        "decode",
+        "output",
+        "preempt",
+        "end",
+        "final c/d/e",
+        "check",
+    )
     rows = [header]
     for r in sorted(report.requests, key=lambda r: (r.pid, r.uid)):
-        rows.append((str(r.uid), str(r.prompt_len), str(r.hit_tokens), str(r.prefill_slots), str(r.prefill_chunks),
-                     str(r.decode_steps), str(r.output_len), str(r.preemptions), r.end or "-",
-                     fmt_state(r.final_state), "PASS" if r.ok else "FAIL"))
+        rows.append(
+            (
+                str(r.uid),
+                str(r.prompt_len),
+                str(r.hit_tokens),
+                str(r.prefill_slots),
+                str(r.prefill_chunks),
+                str(r.decode_steps),
+                str(r.output_len),
+                str(r.preemptions),
+                r.end or "-",
+                fmt_state(r.final_state),
+                "PASS" if r.ok else "FAIL",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     for r in report.failed:
-        lines.append(f"uid {r.uid}: " + "; ".join(r.errors[:max_errors])
-                     + (f"; ... {len(r.errors) - max_errors} more" if len(r.errors) > max_errors else ""))
+        lines.append(
+            f"uid {r.uid}: "
+            + "; ".join(r.errors[:max_errors])
+            + (f"; ... {len(r.errors) - max_errors} more" if len(r.errors) > max_errors else "")
+        )
     lines += report.errors[:20]
     n_failed = len(report.failed)
     verdict = "PASS" if report.ok else "FAIL"
-    lines.append(f"{verdict}: {len(report.requests) - n_failed}/{len(report.requests)} requests pass, "
-                 f"{len(report.errors)} trace-level error(s), {report.num_events} events")
+    lines.append(
+        f"{verdict}: {len(report.requests) - n_failed}/{len(report.requests)} requests pass, "
+        f"{len(report.errors)} trace-level error(s), {report.num_events} events"
+    )
     return "\n".join(lines)

@@ -30,8 +30,11 @@ def on_resumed(stream: SchedulerStream, index: int, event: dict, r: Replay) -> N
     state = read_state(event)
     expected_device = (r.check.prompt_len or 0) + r.check.output_len
     if state is None or state[1] != expected_device or state[2] != state[1] - state[0]:
-        r.error(index, f"resumed with state {fmt_state(state)}; device_len should be prompt_len + output_len "
-                       f"= {expected_device}")
+        r.error(
+            index,
+            f"resumed with state {fmt_state(state)}; device_len should be prompt_len + output_len "
+            f"= {expected_device}",
+        )
     r.resumed = state
     r.preempted = False
 
@@ -49,7 +52,9 @@ def on_prefix_matched(stream: SchedulerStream, index: int, event: dict, r: Repla
         r.error(index, f"hit_tokens {hit!r} outside [0, {device - 1}] (one token is always computed)")
         hit = 0
     if event.get("queried_tokens") != device - 1:
-        r.error(index, f"queried_tokens {event.get('queried_tokens')!r}, expected device_len - 1 = {device - 1}")
+        r.error(
+            index, f"queried_tokens {event.get('queried_tokens')!r}, expected device_len - 1 = {device - 1}"
+        )
     if r.resumed and r.resumed[0] != hit:
         r.error(index, f"hit_tokens {hit} but resumed reported cached_len {r.resumed[0]}")
     if r.residency is None and r.check.preemptions == 0:
@@ -65,14 +70,15 @@ def on_preempted(stream: SchedulerStream, index: int, event: dict, r: Replay) ->
         r.error(index, f"preempted while {r.stage}")
         return
     if read_state(event) != r.state:
-        r.error(index, f"preempted at state {fmt_state(read_state(event))}, but the request is at "
-                       f"{fmt_state(r.state)}")
+        r.error(
+            index,
+            f"preempted at state {fmt_state(read_state(event))}, but the request is at {fmt_state(r.state)}",
+        )
     r.releasing_for_preemption = True
     r.check.preemptions += 1
 
 
-def on_finished(stream: SchedulerStream, index: int, event: dict, r: Replay,
-                aborted: bool = False) -> None:
+def on_finished(stream: SchedulerStream, index: int, event: dict, r: Replay, aborted: bool = False) -> None:
     name = "aborted" if aborted else "finished"
     reason = event.get("reason")
     r.check.end = "aborted" if aborted else f"finished:{reason}"
@@ -90,14 +96,18 @@ def on_finished(stream: SchedulerStream, index: int, event: dict, r: Replay,
     state = read_state(event)
     r.check.final_state = state
     if state is None or state[1] != p + o or state[2] != state[1] - state[0]:
-        r.error(index, f"final state {fmt_state(state)}: device_len must be prompt_len + output_len "
-                       f"= {p + o}")
+        r.error(
+            index, f"final state {fmt_state(state)}: device_len must be prompt_len + output_len = {p + o}"
+        )
     elif stage == "released":
         if state[0] != r.released_keep:
             r.error(index, f"final cached_len {state[0]}, but kv_released kept {r.released_keep}")
         if not aborted and state[0] != p + o - 1:
-            r.error(index, f"final cached_len {state[0]}, expected prompt_len + output_len - 1 = {p + o - 1} "
-                           "(the last sampled token never gets KV)")
+            r.error(
+                index,
+                f"final cached_len {state[0]}, expected prompt_len + output_len - 1 = {p + o - 1} "
+                "(the last sampled token never gets KV)",
+            )
     elif state[0] != 0:  # ended while waiting (never admitted, or preempted): holds no KV
         r.error(index, f"final cached_len {state[0]} for a request holding no KV")
     if not aborted and reason == "length" and r.check.max_tokens is not None and o > r.check.max_tokens:

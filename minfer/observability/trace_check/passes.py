@@ -27,8 +27,10 @@ def on_batch_scheduled(stream: SchedulerStream, index: int, event: dict, r: Repl
         if res.prefill_next >= res.target:
             r.error(index, "a prefill pass after the prompt was fully computed")
         elif chunk > res.target - res.prefill_next:
-            r.error(index, f"prefill chunk {chunk} exceeds the {res.target - res.prefill_next} uncached "
-                           "positions left")
+            r.error(
+                index,
+                f"prefill chunk {chunk} exceeds the {res.target - res.prefill_next} uncached positions left",
+            )
     elif phase == "decode":
         if res.prefill_next < res.target:
             r.error(index, f"decode before the prefill finished ({res.prefill_next}/{res.target} positions)")
@@ -42,8 +44,9 @@ def on_batch_scheduled(stream: SchedulerStream, index: int, event: dict, r: Repl
 
 def on_kv_slots_allocated(stream: SchedulerStream, index: int, event: dict, r: Replay) -> None:
     if not stream.batch or stream.batch[-1].get("uid") != r.check.uid:
-        stream.errors.append(f"event #{index}: kv_slots_allocated of uid {r.check.uid} does not follow "
-                           "its batch_scheduled")
+        stream.errors.append(
+            f"event #{index}: kv_slots_allocated of uid {r.check.uid} does not follow its batch_scheduled"
+        )
     if r.pending_batch is None:
         r.error(index, "kv_slots_allocated without batch_scheduled")
         return
@@ -94,16 +97,20 @@ def on_request_state_updated(stream: SchedulerStream, index: int, event: dict, r
     r.pending_alloc = None
     before, after = read_state(event.get("before") or {}), read_state(event.get("after") or {})
     if before != at_alloc:
-        r.error(index, f"before {fmt_state(before)} differs from the allocation's state "
-                       f"{fmt_state(at_alloc)}")
+        r.error(
+            index, f"before {fmt_state(before)} differs from the allocation's state {fmt_state(at_alloc)}"
+        )
     cached, device, _ = at_alloc
     samples = cached + n == device  # the pass reaches the last known token: its logits give a new one
     expected = (cached + n, device + samples, device + samples - cached - n)
     if phase == "decode" and expected != (cached + 1, device + 1, 1):
         r.error(index, f"decode from {fmt_state(at_alloc)} does not advance 1/1")
     if after != expected:
-        r.error(index, f"{phase} of {n} from {fmt_state(at_alloc)} gave {fmt_state(after)}, "
-                       f"expected {fmt_state(expected)}")
+        r.error(
+            index,
+            f"{phase} of {n} from {fmt_state(at_alloc)} gave {fmt_state(after)}, "
+            f"expected {fmt_state(expected)}",
+        )
     r.state = expected
     res = r.residency
     if phase == "prefill":
@@ -114,8 +121,11 @@ def on_request_state_updated(stream: SchedulerStream, index: int, event: dict, r
         if samples:
             res.prompt_cached_index = index
             if res.prefill_slots != res.target - res.hit:
-                r.error(index, f"the prefill allocated {res.prefill_slots} slot(s) for "
-                               f"{res.target - res.hit} uncached positions")
+                r.error(
+                    index,
+                    f"the prefill allocated {res.prefill_slots} slot(s) for "
+                    f"{res.target - res.hit} uncached positions",
+                )
     else:
         r.check.decode_steps += 1
     r.in_flight.append((phase, samples))
@@ -127,7 +137,9 @@ def on_forward_done(stream: SchedulerStream, index: int, event: dict, r: Replay)
         return
     phase, samples = r.in_flight.popleft()
     if event.get("phase") != phase:
-        r.error(index, f"forward_done of a {event.get('phase')!r} pass, but the oldest launched pass is {phase}")
+        r.error(
+            index, f"forward_done of a {event.get('phase')!r} pass, but the oldest launched pass is {phase}"
+        )
     r.awaiting_token = samples
 
 

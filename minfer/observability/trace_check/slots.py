@@ -42,12 +42,16 @@ def on_kv_released(stream: SchedulerStream, index: int, event: dict, r: Replay) 
                 add((shared_at, "dup_free", own, uid))
                 borrowed_at = shared_at
             else:
-                r.error(index, f"position {position} released slot {slot}, but slot {own} was allocated there")
+                r.error(
+                    index, f"position {position} released slot {slot}, but slot {own} was allocated there"
+                )
                 add((index, "release_freed", own, uid))
                 continue
         if borrowed_at is not None:
             if not in_cached:
-                r.error(index, f"slot {slot} at position {position} is the cache's, but was released as freed")
+                r.error(
+                    index, f"slot {slot} at position {position} is the cache's, but was released as freed"
+                )
             add((borrowed_at, "borrow", slot, uid))
             add((index, "unborrow", slot, uid))
             continue
@@ -92,8 +96,11 @@ def replay_slots(slot_events: list[tuple[int, str, int, int]], requests: dict[in
                 error(index, uid, f"slot {slot} allocated while uid {holder} holds it")
                 error(index, holder, f"its slot {slot} was allocated to uid {uid}")
             if users:
-                error(index, uid, f"slot {slot} allocated while uid(s) {sorted(users)} borrow it from "
-                                  "the prefix cache")
+                error(
+                    index,
+                    uid,
+                    f"slot {slot} allocated while uid(s) {sorted(users)} borrow it from the prefix cache",
+                )
             owner[slot] = uid
             cached.discard(slot)
             shareable.discard(slot)

@@ -76,8 +76,10 @@ class SchedulerStream:
             return
         sizes = {(e.get("phase"), e.get("batch_size")) for e in self.batch}
         if len(sizes) != 1 or len(self.batch) != next(iter(sizes))[1]:
-            self.errors.append(f"event #{index}: a batch of {len(self.batch)} request(s) announced phase/size "
-                               f"{sorted(sizes, key=str)}")
+            self.errors.append(
+                f"event #{index}: a batch of {len(self.batch)} request(s) announced phase/size "
+                f"{sorted(sizes, key=str)}"
+            )
         if len({e.get("uid") for e in self.batch}) != len(self.batch):
             self.errors.append(f"event #{index}: a request appears twice in one batch")
         self.batch = []
