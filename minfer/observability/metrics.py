@@ -216,11 +216,18 @@ class _SchedulerCollector:
 
     def __init__(self):
         self.stats: dict = {}
+        self.updated: float | None = None  # time.monotonic() of the snapshot
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         s = self.stats
+        # A scrape while the scheduler is too busy to answer serves the last snapshot: say how old.
+        yield GaugeMetricFamily(
+            "minfer:scheduler_stats_age_seconds",
+            "Age of the scheduler numbers below (0 when fetched for this scrape; -1: never fetched).",
+            value=-1.0 if self.updated is None else time.monotonic() - self.updated,
+        )
         yield GaugeMetricFamily(
             "minfer:num_requests_running",
             "Requests holding KV (prefilling or decoding).",
@@ -324,6 +331,7 @@ class ServerMetrics:
 
     def update_scheduler(self, stats: dict) -> None:
         self.scheduler.stats = dict(stats)
+        self.scheduler.updated = time.monotonic()
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest

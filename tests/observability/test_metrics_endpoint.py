@@ -179,12 +179,14 @@ def test_server_metrics_in_process():
     assert reg.get_sample_value("minfer:e2e_request_latency_seconds_sum") == 2.0
     assert reg.get_sample_value("minfer:request_queue_time_seconds_sum") == 0.25
     assert reg.get_sample_value("minfer:request_success_total", {"finished_reason": "stop"}) == 1
+    assert reg.get_sample_value("minfer:scheduler_stats_age_seconds") == -1.0  # never fetched
     metrics.update_scheduler(
         {"running": 2, "waiting": 1, "kv_used_pages": 3, "kv_total_pages": 12, "generation_tokens": 40}
     )
     assert reg.get_sample_value("minfer:kv_cache_usage_perc") == 0.25
     assert reg.get_sample_value("minfer:generation_tokens_total") == 40
     assert b"minfer:num_requests_waiting 1.0" in metrics.render()
+    assert 0 <= reg.get_sample_value("minfer:scheduler_stats_age_seconds") < 5  # a stale one says how old
 
 
 def test_stats_line(tiny_llama, caplog):
