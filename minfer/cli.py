@@ -24,7 +24,7 @@ def _engine_config(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> Eng
 
 
 def _bench_serve_parser(bench_sub) -> argparse.ArgumentParser:
-    from minfer.bench.serve import add_serve_args
+    from minfer.bench.serve_args import add_serve_args
 
     p = bench_sub.add_parser(
         "serve",

@@ -27,12 +27,11 @@ LAYERS = [
     ["cli", "__main__"],
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
-# Longer than ~300 lines, and why.
-LONG_MODULES = {
-    "models/gguf.py": "GGUF's tensor-name map and its per-architecture metadata keys are tables",
-    "engine/engine.py": "the forward pass and its result reading; splitting would scatter the step",
-}
-MAX_LINES = 300
+# Modules allowed past MAX_LINES, each with the reason.
+LONG_MODULES: dict[str, str] = {}
+# "About 300 lines" of the dense style the code was written in; `ruff format` (one argument per
+# line where a call does not fit) made the same tree 15% longer (11,506 -> 13,258 lines).
+MAX_LINES = 350
 
 
 def modules() -> dict[str, Path]:
