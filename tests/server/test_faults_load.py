@@ -9,6 +9,7 @@ prompt spans several steps and can be left during its prefill).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -240,9 +241,18 @@ def test_disconnect_frees_the_request(server, when):
 
 
 def test_a_burst_of_disconnects(server):
-    opened = [_open_stream(server, f"Story {i}:", 2000) for i in range(12)]
+    # Fill the running slots with streams left mid-stream, and the queue with clients that give
+    # up while they wait (a queued stream's headers come only once it runs: 2000 tokens later).
+    opened = [_open_stream(server, f"Story {i}:", 2000) for i in range(MAX_RUNNING)]
     for _client, resp in opened:
         next(resp.iter_lines())
+    for i in range(MAX_QUEUED):
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(
+                server.url + "/v1/completions",
+                json={"model": "tiny", "prompt": f"Queued {i}:", "max_tokens": 2000},
+                timeout=0.2,
+            )
     for client, resp in opened:
         resp.close()
         client.close()
