@@ -123,6 +123,17 @@ class ServerConfig:
     max_batch_prompts: int = _opt(
         128, "most engine requests one body may make (prompts in a list, times n); past it: 400"
     )
+    log_requests: bool = _opt(
+        False,
+        "log one line per finished request: its id, prompt and completion tokens, finish reason, "
+        "time to first token and total time",
+    )
+    metrics_prefix: str = _opt(
+        "minfer",
+        "names of the /metrics series: minfer's own, or vLLM's (vllm:num_requests_running, ... with a "
+        "model_name label) so that dashboards built for vLLM work; docs/TRACE.md",
+        ("minfer", "vllm"),
+    )
     request_read_timeout: float = _opt(
         30.0,
         "seconds a client has to send a request's headers and body; a "

@@ -22,72 +22,16 @@ import logging
 import time
 from dataclasses import dataclass
 
+from minfer.observability.metric_names import (
+    FINISH_REASONS,
+    ITL_BUCKETS,
+    REQUEST_BUCKETS,
+    TTFT_BUCKETS,
+    MetricNames,
+)
+
 log = logging.getLogger("minfer.stats")
-
-# How often the scheduler logs its stats line while it works (seconds of wall time).
-
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-ITL_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
-REQUEST_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    20.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-)
-FINISH_REASONS = ("stop", "length", "abort")
+request_log = logging.getLogger("minfer.requests")
 
 
 # -- scheduler process ---------------------------------------------------------------------------
@@ -208,41 +152,52 @@ def format_stats_line(now: dict, before: dict, elapsed_s: float) -> str | None:
 @dataclass
 class _Timing:
     submitted: float
+    first_token: float | None = None
     last_token: float | None = None
+
+
+def _family(cls, names: MetricNames, name: str, doc: str, value: float):
+    """One sample of a gauge or counter family, with the naming scheme's constant labels."""
+    labels = names.labels(name)
+    family = cls(names.name(name), doc, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
 
 
 class _SchedulerCollector:
     """Exports the latest scheduler snapshot (fetched at scrape time) as gauges and counters."""
 
-    def __init__(self):
+    def __init__(self, names: MetricNames):
+        self.names = names
         self.stats: dict = {}
         self.updated: float | None = None  # time.monotonic() of the snapshot
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        s = self.stats
+        s, names = self.stats, self.names
         # A scrape while the scheduler is too busy to answer serves the last snapshot: say how old.
-        yield GaugeMetricFamily(
-            "minfer:scheduler_stats_age_seconds",
-            "Age of the scheduler numbers below (0 when fetched for this scrape; -1: never fetched).",
-            value=-1.0 if self.updated is None else time.monotonic() - self.updated,
+        age = -1.0 if self.updated is None else time.monotonic() - self.updated
+        gauges = (
+            (
+                "scheduler_stats_age_seconds",
+                "Age of the scheduler numbers below (0 when fetched for this scrape; -1: never fetched).",
+                age,
+            ),
+            ("num_requests_running", "Requests holding KV (prefilling or decoding).", s.get("running", 0)),
+            (
+                "num_requests_waiting",
+                "Requests waiting for admission (new or preempted).",
+                s.get("waiting", 0),
+            ),
+            (
+                "kv_cache_usage_perc",
+                "Fraction of KV pages not available without preemption (1 = 100%).",
+                s.get("kv_used_pages", 0) / max(1, s.get("kv_total_pages", 1)),
+            ),
         )
-        yield GaugeMetricFamily(
-            "minfer:num_requests_running",
-            "Requests holding KV (prefilling or decoding).",
-            value=s.get("running", 0),
-        )
-        yield GaugeMetricFamily(
-            "minfer:num_requests_waiting",
-            "Requests waiting for admission (new or preempted).",
-            value=s.get("waiting", 0),
-        )
-        yield GaugeMetricFamily(
-            "minfer:kv_cache_usage_perc",
-            "Fraction of KV pages not available without preemption (1 = 100%).",
-            value=s.get("kv_used_pages", 0) / max(1, s.get("kv_total_pages", 1)),
-        )
+        for name, doc, value in gauges:
+            yield _family(GaugeMetricFamily, names, name, doc, value)
         counters = (
             ("prefix_cache_queries", "prefix_queried_tokens", "Prompt tokens looked up in the prefix cache."),
             ("prefix_cache_hits", "prefix_hit_tokens", "Prompt tokens found in the prefix cache."),
@@ -251,51 +206,56 @@ class _SchedulerCollector:
             ("num_preemptions", "preemptions", "Requests preempted (KV given back, requeued)."),
         )
         for name, key, doc in counters:
-            yield CounterMetricFamily(f"minfer:{name}", doc, value=s.get(key, 0))
+            yield _family(CounterMetricFamily, names, name, doc, s.get(key, 0))
 
 
 class ServerMetrics:
-    """The api server's registry and what it observes per request."""
+    """The api server's registry and what it observes per request.
 
-    def __init__(self):
+    prefix: "minfer" or "vllm" (metric_names.py); model_name: vLLM's model_name label;
+    log_requests: log one line per finished request (ServerConfig.log_requests)."""
+
+    def __init__(self, prefix: str = "minfer", model_name: str = "", log_requests: bool = False):
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
+        self.names = names = MetricNames(prefix, model_name)
+        self.log_requests = log_requests
         self.registry = CollectorRegistry(auto_describe=True)
-        self.ttft = Histogram(
-            "minfer:time_to_first_token_seconds",
-            "Time from submission to the first token.",
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
+
+        def histogram(name: str, doc: str, buckets: tuple):
+            labels = names.labels(name)
+            metric = Histogram(names.name(name), doc, list(labels), buckets=buckets, registry=self.registry)
+            return metric.labels(**labels) if labels else metric
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time from submission to the first token.", TTFT_BUCKETS
         )
-        self.itl = Histogram(
-            "minfer:inter_token_latency_seconds",
-            "Time between consecutive tokens of a request.",
-            buckets=ITL_BUCKETS,
-            registry=self.registry,
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between consecutive tokens of a request.", ITL_BUCKETS
         )
-        self.e2e = Histogram(
-            "minfer:e2e_request_latency_seconds",
-            "Time from submission to the last reply.",
-            buckets=REQUEST_BUCKETS,
-            registry=self.registry,
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Time from submission to the last reply.", REQUEST_BUCKETS
         )
-        self.queue_time = Histogram(
-            "minfer:request_queue_time_seconds",
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
             "Time in the scheduler's waiting queue before admission.",
-            buckets=REQUEST_BUCKETS,
-            registry=self.registry,
+            REQUEST_BUCKETS,
         )
+        self._success_labels = names.labels("request_success")
         self.success = Counter(
-            "minfer:request_success",
+            names.name("request_success"),
             "Requests finished, by finish reason.",
-            ["finished_reason"],
+            ["finished_reason", *self._success_labels],
             registry=self.registry,
         )
         for reason in FINISH_REASONS:
-            self.success.labels(reason)  # present at 0 before the first request
-        self.scheduler = _SchedulerCollector()
+            self._finished(reason)  # present at 0 before the first request
+        self.scheduler = _SchedulerCollector(names)
         self.registry.register(self.scheduler)
         self._requests: dict[int, _Timing] = {}
+
+    def _finished(self, reason: str):
+        return self.success.labels(finished_reason=reason, **self._success_labels)
 
     def request_started(self, uid: int, now: float) -> None:
         self._requests[uid] = _Timing(now)
@@ -311,6 +271,7 @@ class ServerMetrics:
         n = len(reply.token_ids)
         if n:
             if timing.last_token is None:
+                timing.first_token = now
                 self.ttft.observe(now - timing.submitted)
                 gaps = [0.0] * (n - 1)  # tokens that arrived together with the first
             else:
@@ -323,7 +284,9 @@ class ServerMetrics:
         if reply.finish_reason is not None:
             del self._requests[reply.uid]
             self.e2e.observe(now - timing.submitted)
-            self.success.labels(reply.finish_reason).inc()
+            self._finished(reply.finish_reason).inc()
+            if self.log_requests:
+                request_log.info("%s", request_line(reply, timing, now))
 
     def clear(self) -> None:
         """The workers died: no reply will come for the open requests."""
@@ -337,3 +300,12 @@ class ServerMetrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+def request_line(reply, timing: _Timing, now: float) -> str:
+    """The --log-requests line of a finished request; times measured in the api server."""
+    ttft = "-" if timing.first_token is None else f"{timing.first_token - timing.submitted:.3f} s"
+    return (
+        f"request {reply.uid} finished ({reply.finish_reason}): prompt {reply.prompt_tokens} tokens, "
+        f"completion {reply.completion_tokens} tokens, TTFT {ttft}, total {now - timing.submitted:.3f} s"
+    )

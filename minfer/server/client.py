@@ -58,13 +58,14 @@ class EngineClient:
         tracer: RequestTracer = NULL_TRACER,
         max_open_requests: int | None = None,
         max_unread_replies: int | None = None,
+        metrics: ServerMetrics | None = None,
     ):
         self.inbox = inbox  # bound, synchronous; shadowed by an asyncio socket in `start`
         self.to_tokenizer = to_tokenizer
         self.tracer = tracer
         self.max_open_requests = max_open_requests  # running + queued; None: no limit
         self.max_unread_replies = max_unread_replies  # per engine request; None: no limit
-        self.metrics = ServerMetrics()  # every request passes here: latencies are measured here
+        self.metrics = metrics or ServerMetrics()  # every request passes here: latencies are measured here
         self.queues: dict[int, ReplyQueue] = {}  # uid -> queue of its HTTP request
         self.calls: dict[int, asyncio.Future] = {}
         self.uids = itertools.count()

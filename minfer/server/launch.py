@@ -29,6 +29,7 @@ from minfer.ipc import messages as m
 from minfer.ipc.ipc_dir import IpcDir
 from minfer.ipc.process import dead_workers
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
+from minfer.observability.metrics import ServerMetrics
 from minfer.observability.trace import NULL_TRACER, RequestTracer
 from minfer.runner.ranks import free_local_addr, run_follower_rank, run_worker_node
 from minfer.runner.worker import run_scheduler_worker
@@ -181,17 +182,19 @@ async def _serve_http(
         RequestTracer(engine_cfg.trace_requests, truncate=True) if engine_cfg.trace_requests else NULL_TRACER
     )
     info = ready["scheduler"]
+    model_name = server_cfg.served_model_name or engine_cfg.model or info["model"]
     client = EngineClient(
         api_inbox,
         to_tokenizer,
         tracer,
         max_open_requests=info["max_running_requests"] + engine_cfg.max_queued_requests,
         max_unread_replies=engine_cfg.max_unread_replies,
+        metrics=ServerMetrics(server_cfg.metrics_prefix, model_name, server_cfg.log_requests),
     )
     client.start()
     state = ServerState(
         client=client,
-        model_name=server_cfg.served_model_name or engine_cfg.model or info["model"],
+        model_name=model_name,
         engine_config=engine_cfg,
         server_config=server_cfg,
         scheduler_info=info,

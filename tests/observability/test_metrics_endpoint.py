@@ -98,6 +98,7 @@ def test_metrics_after_requests(server):
     assert value(after, "request_success_total", finished_reason="stop") == 0
     assert value(after, "num_requests_running") == 0 and value(after, "num_requests_waiting") == 0
     assert value(after, "num_preemptions_total") == 0
+    assert "minfer.requests" not in srv.output()  # the per-request line is off without --log-requests
     # The prefix cache was asked for every prompt but its last token; the repeated prompt hit.
     assert value(after, "prefix_cache_queries_total") == prompt_tokens - n
     assert 0 < value(after, "prefix_cache_hits_total") <= usage[2]["prompt_tokens"] - 1
