@@ -19,6 +19,12 @@ def add_trace_parser(sub) -> None:
     )
     show.add_argument("file")
     show.add_argument("--uid", type=int, default=None, help="every event of this request")
+    show.add_argument(
+        "--run",
+        type=int,
+        default=None,
+        help="runs appended to one file are shown apart (uids restart in each); only run N (1 = first)",
+    )
     plot = trace_sub.add_parser("plot", help="Gantt of requests with KV slots held and batch size beneath")
     plot.add_argument("file")
     plot.add_argument(
@@ -46,12 +52,25 @@ def run_trace(args: argparse.Namespace) -> int:
         return 0 if report.ok else 1
     if args.trace_command == "show":
         from minfer.observability.timeline import build_timeline, format_request, format_summary
+        from minfer.observability.trace_runs import split_runs
 
-        timeline = build_timeline(events)
-        try:
+        runs = split_runs(events)
+        chosen = range(1, len(runs) + 1) if args.run is None else [args.run]
+        if args.run is not None and not 1 <= args.run <= len(runs):
+            print(f"error: --run {args.run}: {args.file} holds {len(runs)} run(s)", file=sys.stderr)
+            return 2
+        found = False
+        for number in chosen:
+            timeline = build_timeline(runs[number - 1])
+            if args.uid is not None and args.uid not in timeline.requests:
+                continue
+            if len(runs) > 1:
+                requests = sum(r.queued is not None for r in timeline.requests.values())
+                print(f"== run {number} of {len(runs)} ({requests} requests)")
             print(format_summary(timeline) if args.uid is None else format_request(timeline, args.uid))
-        except KeyError as e:
-            print(f"error: {e.args[0]}", file=sys.stderr)
+            found = True
+        if not found:
+            print(f"error: no request with uid {args.uid} in {args.file}", file=sys.stderr)
             return 2
         return 0
     if args.trace_command == "plot":

@@ -48,7 +48,9 @@ def test_naming_schemes(prefix):
     else:
         assert set(VLLM_SERIES) <= names
         # Only metrics without a vLLM counterpart keep minfer's name.
-        kept = {re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in names if n.startswith("minfer:")}
+        kept = {
+            re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in names if n.startswith("minfer:")
+        }
         assert kept == {"minfer:scheduler_stats_age_seconds"}
         assert all(s.labels["model_name"] == "my-model" for n in VLLM_SERIES for s in samples[n])
     assert len(VLLM_NAMES) == len(set(VLLM_NAMES.values()))  # no two minfer metrics on one vLLM name
