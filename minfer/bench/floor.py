@@ -23,6 +23,42 @@ class Card:
 
 H200 = Card("H200", 4.26e12, 790e12)  # measured on the GPU host, see ../shared/gpu/README.md
 
+# Big enough to leave the CPU caches far behind (hundreds of MB of L3 at most), small enough to
+# measure in well under a second.
+HOST_COPY_BYTES = 256 * 2**20
+HOST_GEMM_SIZE = 1024
+
+
+def measure_host_card(repeats: int = 5) -> Card:
+    """This CPU as a Card, measured now with torch at its current thread count: bandwidth of a
+    large tensor copy (bytes read + written over the best time) and the fp32 GEMM rate, the
+    same two figures the H200's card holds. A CPU run is then compared with its own floor."""
+    import time
+
+    import torch
+
+    src = torch.ones(HOST_COPY_BYTES // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    a = torch.randn(HOST_GEMM_SIZE, HOST_GEMM_SIZE)
+
+    def best(fn) -> float:
+        fn()  # first touch of the pages, thread pool start-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    copy_s = best(lambda: dst.copy_(src))
+    gemm_s = best(lambda: a @ a)
+    threads = torch.get_num_threads()
+    return Card(
+        f"this CPU ({threads} threads, measured)",
+        2 * HOST_COPY_BYTES / copy_s,
+        2 * HOST_GEMM_SIZE**3 / gemm_s,
+    )
+
 
 @dataclass
 class Floor:

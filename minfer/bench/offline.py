@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from minfer.bench.floor import H200, workload_floor
+from minfer.bench.floor import H200, measure_host_card, workload_floor
 from minfer.bench.workloads import nano_vllm_draw
 from minfer.config import EngineConfig
 from minfer.core import SamplingParams
@@ -70,7 +70,9 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     output_tokens = sum(p.max_tokens for p in params)
     engine = llm.engine
     num_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
-    card = H200.times(engine.tp.size)
+    # On CUDA the floor is the H200's (the card the figures are measured on); on a CPU, the
+    # host's own measured bandwidth and GEMM rate: an H200 floor says nothing about a CPU run.
+    card = measure_host_card() if engine.device.type == "cpu" else H200.times(engine.tp.size)
     floor = workload_floor(
         card,
         num_params * engine.tp.size,
@@ -103,8 +105,12 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
         + "   [band: ms/step (steps)]"
     )
     print(
+        f"card {card.name}: memory bandwidth {card.bandwidth / 1e9:,.1f} GB/s (copy, read + write), "
+        f"matmul {card.matmul_rate / 1e9:,.1f} GFLOP/s"
+    )
+    print(
         f"floor on {card.name}: {floor.seconds:.2f} s = {output_tokens / floor.seconds:,.0f} tok/s "
         f"(decode bytes {floor.decode_seconds:.2f} s + prefill FLOPs {floor.prefill_seconds:.2f} s); "
-        f"this run is at {100 * floor.seconds / wall:.1f}% of the {card.name} floor"
+        f"this run is at {100 * floor.seconds / wall:.1f}% of that floor"
     )
     return 0

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
-from minfer.bench.floor import H200, workload_floor
+from minfer.bench.floor import H200, measure_host_card, workload_floor
 from minfer.bench.offline import make_workload
 
 
@@ -70,4 +71,17 @@ def test_bench_runs_on_cpu(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert "throughput" in out and "floor on H200" in out and "decode throughput" in out
+    assert "throughput" in out and "decode throughput" in out
+    # On CPU the floor is this host's, measured: not the H200's (which gave "0.0% of the H200 floor").
+    assert "H200" not in out
+    floor_line = next(line for line in out.splitlines() if line.startswith("floor on this CPU ("))
+    percent = float(floor_line.split("this run is at ")[1].split("%")[0])
+    assert 0 < percent <= 100, floor_line  # a tiny model is far from its floor: overheads dominate
+    assert re.search(r"card this CPU \(\d+ threads, measured\): memory bandwidth [\d,.]+ GB/s", out)
+
+
+def test_host_card_is_measured():
+    card = measure_host_card(repeats=2)
+    # Any host: more than a slow DIMM's 1 GB/s, less than an H200's; GEMM between 1 GFLOP/s and 100 TFLOP/s.
+    assert 1e9 < card.bandwidth < H200.bandwidth and 1e9 < card.matmul_rate < 1e14
+    assert "measured" in card.name
