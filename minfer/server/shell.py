@@ -7,16 +7,22 @@ rendered with the model's chat template each turn, so the prefix cache reuses th
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 from minfer.config import EngineConfig
 from minfer.core import InvalidRequestError, SamplingParams
 from minfer.tokenizer.detokenizer import IncrementalDetokenizer
 
-HELP = (
-    "Type a message and press Enter. /reset clears the conversation, /temp T sets the sampling "
-    "temperature (0 = greedy), /exit (or Ctrl-D) quits."
-)
+HELP = "Type a message and press Enter; /help lists the commands."
+COMMANDS = """\
+  /help      this list
+  /reset     clear the conversation
+  /temp T    sampling temperature (0 = greedy; default 0.7)
+  /exit      quit (also /quit, Ctrl-D)
+Arrow keys edit the line and walk the history (kept in $MINFER_SHELL_HISTORY, default ~/.minfer_shell_history);
+Ctrl-C stops a reply."""
+HISTORY_LENGTH = 1000
 # A chat in a terminal wants some variety but stays on topic.
 DEFAULT_TEMPERATURE = 0.7
 TOP_P = 0.9
@@ -62,14 +68,44 @@ def fit_history(llm, history: list[dict]) -> list[int]:
         del history[first : first + 2]  # a user turn and its answer
 
 
+def enable_line_editing() -> None:
+    """Line editing and a history across sessions for input(), from Python's readline module
+    (absent on some platforms: the shell then works without them)."""
+    try:
+        import readline
+    except ImportError:
+        return
+    import atexit
+
+    path = os.environ.get("MINFER_SHELL_HISTORY") or os.path.expanduser("~/.minfer_shell_history")
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass  # the first session
+    readline.set_history_length(HISTORY_LENGTH)
+    atexit.register(_save_history, readline, path)
+
+
+def _save_history(readline, path: str) -> None:
+    try:
+        readline.write_history_file(path)
+    except OSError:
+        pass  # a read-only home must not turn quitting into a traceback
+
+
 def run_shell(engine_cfg: EngineConfig) -> int:
     from minfer.llm import LLM
 
+    # Loading logs its progress at info; above the banner it only pushes the banner off screen.
+    # The default level becomes warning here; an explicit --log-level debug still shows them.
+    if engine_cfg.log_level == EngineConfig.log_level:
+        engine_cfg = dataclasses.replace(engine_cfg, log_level="warning")
     llm = LLM(**dataclasses.asdict(engine_cfg))
     if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
         print(f"minfer shell: model {llm.engine.source.name!r} has no chat template", file=sys.stderr)
         return 2
     print(f"minfer shell — {llm.engine.source.name}, context {llm.engine.max_model_len} tokens. {HELP}")
+    enable_line_editing()
     history: list[dict] = []
     temperature = DEFAULT_TEMPERATURE
     while True:
@@ -86,6 +122,9 @@ def run_shell(engine_cfg: EngineConfig) -> int:
             continue
         if command in ("/exit", "/quit"):
             return 0
+        if command == "/help":
+            print(COMMANDS)
+            continue
         if command == "/reset":
             history.clear()
             print("(conversation cleared)")

@@ -65,3 +65,37 @@ def test_shell_reply_at_tp2_equals_tp1(tiny_chat_model):
         )
         llm.shutdown()
     assert replies[0] == replies[1] and replies[0]
+
+
+def test_line_editing_history_help_and_quiet_banner(tiny_chat_model, tmp_path):
+    """The real `minfer shell` on a terminal (a pty): arrow keys recall and edit the previous line
+    (readline), /help lists the commands, and no log line comes before the banner."""
+    import os
+    import sys
+
+    import pexpect
+    from server_harness import REPO
+
+    history = tmp_path / "history"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TERM": "xterm", "MINFER_SHELL_HISTORY": str(history)}
+    args = ["-m", "minfer", "shell", tiny_chat_model, "--kv-cache-tokens", "2048", "--max-model-len", "256"]
+    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=120, cwd=str(REPO))
+    try:
+        child.expect("minfer shell — ")
+        assert child.before.strip() == "", child.before  # nothing above the banner
+        child.expect(">>> ")
+        child.send("/help\r")
+        child.expect("/reset +clear the conversation")
+        child.expect(">>> ")
+        child.send("/temp 0.5\r")
+        child.expect(r"\(temperature 0.5\)")
+        child.expect(">>> ")
+        child.send("\x1b[A\x7f25\r")  # Up recalls "/temp 0.5", Backspace, then "25"
+        child.expect(r"\(temperature 0.25\)")
+        child.expect(">>> ")
+        child.send("/exit\r")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    assert history.read_text().splitlines()[-3:] == ["/temp 0.5", "/temp 0.25", "/exit"]
