@@ -13,6 +13,7 @@ import glob
 import importlib.util
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -148,12 +149,7 @@ def safetensors_weights(path: str, sliced: bool = False) -> Iterator[tuple[str, 
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path!r}")
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = None
-    bar = tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2) if tqdm else files
-    for file in bar:
+    for file in files:  # build_model's with_progress shows the bar
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 lazy = f.get_slice(name) if sliced else None
@@ -178,6 +174,30 @@ def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             p.data.normal_(0, 0.02, generator=gen)
 
 
+# Below this many bytes of weights loading takes a second or two: a bar would only flicker.
+PROGRESS_MIN_BYTES = 256 * 2**20
+
+
+def with_progress(weights: Iterator[tuple[str, torch.Tensor]], model: torch.nn.Module):
+    """`weights` as they are, with a tqdm bar of the bytes loaded so far (GGUF dequantization and
+    large safetensors reads take tens of seconds). Quiet when stderr is not a terminal (logs,
+    tests) or the model is small. The total is the model's own parameters: a checkpoint that
+    stores a tied matrix twice may end slightly past 100%."""
+    import sys
+
+    from tqdm import tqdm
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    element_size = next(model.parameters()).element_size()  # bytes once loaded, at the model's dtype
+    quiet = total < PROGRESS_MIN_BYTES or not sys.stderr.isatty()
+    with tqdm(
+        total=total, desc="loading weights", unit="B", unit_scale=True, disable=quiet, leave=False
+    ) as bar:
+        for name, tensor in weights:
+            yield name, tensor
+            bar.update(math.prod(tensor.shape) * element_size)
+
+
 def build_model(
     source: ModelSource,
     hf_config,
@@ -200,9 +220,9 @@ def build_model(
     elif source.load_format == "gguf":
         from minfer.models.gguf import gguf_weights
 
-        model.load_weights(gguf_weights(source.path))
+        model.load_weights(with_progress(gguf_weights(source.path), model))
     else:
-        model.load_weights(safetensors_weights(source.path, sliced=tp.size > 1))
+        model.load_weights(with_progress(safetensors_weights(source.path, sliced=tp.size > 1), model))
     model.eval()
     return model
 
