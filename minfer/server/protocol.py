@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minfer.core import InvalidRequestError, SamplingParams, StructuredOutput
 from minfer.server.errors import APIError
+from minfer.server.tool_parsers import template_arguments
 
 __all__ = ["APIError"]  # re-exported: the client of the workers raises it
 
@@ -258,16 +259,6 @@ class AssistantToolCall(Body):
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
-
-
-def template_arguments(arguments: str):
-    """Arguments as templates expect them: a dict (Llama 3.1's template applies `tojson`), or
-    the text itself when it is not a JSON object."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return arguments
-    return value if isinstance(value, dict) else arguments
 
 
 class ChatMessage(Body):

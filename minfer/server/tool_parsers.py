@@ -50,6 +50,16 @@ def as_call(obj, arguments_keys: tuple[str, ...]) -> ParsedCall | None:
     return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+def template_arguments(arguments: str):
+    """Arguments as templates expect them: a dict (Llama 3.1's template applies `tojson`), or
+    the text itself when it is not a JSON object."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
 class HermesParser:
     name = "hermes"
     arguments_key = "arguments"
