@@ -139,6 +139,12 @@ class ServerConfig:
         "seconds a client has to send a request's headers and body; a "
         "connection still sending after that is closed",
     )
+    tool_call_parser: str = _opt(
+        "auto",
+        "how the model writes tool calls: hermes (Qwen2.5/Qwen3 <tool_call> blocks), llama3_json "
+        "(Llama 3 JSON); auto: told by the chat template",
+        choices=("auto", "hermes", "llama3_json"),
+    )
 
 
 def _base_type(tp) -> type:

@@ -43,6 +43,7 @@ class GenerateRequest(Message):
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # chat: rendered with the model's chat template
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI's tools, passed to the chat template
     add_special_tokens: bool = True  # for `prompt` only; chat prompts carry their own
     max_tokens_auto: bool = False  # max_tokens not given: fill the context (the scheduler knows it)
     echo: bool = False  # send the prompt's text with the first reply

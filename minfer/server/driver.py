@@ -99,6 +99,7 @@ class Job:
     echo: bool = False
     timeout: float | None = None
     prompt_param: str = "prompt"  # the body field that holds the prompts, for errors
+    tools: list[dict] | None = None  # chat: tools for the chat template
 
 
 class ResponseShape(Protocol):
@@ -108,7 +109,8 @@ class ResponseShape(Protocol):
 
     def opening(self, choices: dict[int, Choice]) -> Iterable[dict]: ...
 
-    def chunk(self, index: int, reply: m.Reply, choices: dict[int, Choice]) -> dict | None: ...
+    def chunk(self, index: int, reply: m.Reply, choices: dict[int, Choice]) -> dict | list[dict] | None:
+        """The SSE event(s) of one reply: None for none, a list where one reply makes several."""
 
     def closing(self, choices: dict[int, Choice]) -> Iterable[dict]: ...
 
@@ -230,7 +232,7 @@ class Driver:
             "max_tokens_auto": job.max_tokens_auto,
         }
         if job.chat:
-            return m.GenerateRequest(**fields, messages=prompt)
+            return m.GenerateRequest(**fields, messages=prompt, tools=job.tools)
         if isinstance(prompt, str):
             return m.GenerateRequest(**fields, prompt=prompt, echo=job.echo)
         return m.GenerateRequest(**fields, prompt_ids=prompt, echo=job.echo)
@@ -267,8 +269,8 @@ class Driver:
             for event in shape.opening(choices):
                 yield sse(event)
             async for index, reply in self.replies(choices):
-                event = shape.chunk(index, reply, choices)
-                if event is not None:
+                events = shape.chunk(index, reply, choices)
+                for event in events if isinstance(events, list) else [events] if events else []:
                     yield sse(event)
             for event in shape.closing(choices):
                 yield sse(event)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import msgspec
 from fastapi import APIRouter, Depends, Request
 
 from minfer.ipc import messages as m
@@ -13,17 +14,28 @@ from minfer.server.errors import ERROR_RESPONSES
 from minfer.server.logprobs import chat_logprobs
 from minfer.server.protocol import ChatCompletionRequest
 from minfer.server.state import ServerState, server_state
+from minfer.server.tool_calls import ToolPlan, finish_reason, message, tool_plan
+from minfer.server.tool_stream import ToolCallStream
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
 
 class ChatShape:
-    """A `chat.completion`; streamed as `delta.role`, then `delta.content`, then `finish_reason`."""
+    """A `chat.completion`; streamed as `delta.role`, then `delta.content` (or `delta.tool_calls`),
+    then `finish_reason`."""
 
-    def __init__(self, body: ChatCompletionRequest, rid: str, model: str):
+    def __init__(self, body: ChatCompletionRequest, rid: str, model: str, plan: ToolPlan | None = None):
         self.body = body
+        self.plan = plan
         self.base = {"id": rid, "created": int(time.time()), "model": model}
         self.chunk_base = {**self.base, "object": "chat.completion.chunk"}
+        self.tool_streams: dict[int, ToolCallStream] = {}
+
+    def message(self, c: Choice) -> tuple[dict, str | None]:
+        if self.plan is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        msg = message(self.plan, c.text)
+        return msg, finish_reason(c.finish_reason, "tool_calls" in msg)
 
     def build(self, choices: dict[int, Choice]) -> dict:
         return {
@@ -32,12 +44,13 @@ class ChatShape:
             "choices": [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": msg,
                     "logprobs": chat_logprobs(c.logprobs) if self.body.logprobs else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": reason,
                     "stop_reason": c.stop_reason,
                 }
                 for i, c in sorted(choices.items())
+                for msg, reason in [self.message(c)]
             ],
             "usage": usage(choices, self.body.n),
         }
@@ -60,7 +73,9 @@ class ChatShape:
         for index in sorted(choices):
             yield self._chunk(index, {"role": "assistant", "content": ""})
 
-    def chunk(self, index: int, reply: m.Reply, choices: dict[int, Choice]) -> dict | None:
+    def chunk(self, index: int, reply: m.Reply, choices: dict[int, Choice]) -> dict | list[dict] | None:
+        if self.plan is not None:
+            return self.tool_chunks(index, reply, choices)
         has_logprobs = self.body.logprobs and reply.logprobs is not None
         if not reply.text and reply.finish_reason is None and not has_logprobs:
             return None
@@ -75,6 +90,21 @@ class ChatShape:
             c["usage"] = usage(choices, self.body.n)
         return c
 
+    def tool_chunks(self, index: int, reply: m.Reply, choices: dict[int, Choice]) -> list[dict]:
+        """A reply's chunks when tools are in play: content or tool-call deltas, and at the end
+        what the stream held back, then the finish_reason."""
+        stream = self.tool_streams.setdefault(index, ToolCallStream(self.plan))
+        deltas = stream.feed(reply.text)
+        if reply.finish_reason is None:
+            return [self._chunk(index, delta) for delta in deltas]
+        deltas += stream.finish()
+        reason = finish_reason(reply.finish_reason, stream.has_calls)
+        out = [self._chunk(index, delta) for delta in deltas]
+        out.append(self._chunk(index, {}, reason, choices[index].stop_reason))
+        if self.body.continuous_usage:
+            out[-1]["usage"] = usage(choices, self.body.n)
+        return out
+
     def closing(self, choices: dict[int, Choice]):
         if self.body.include_usage:
             yield {**self.chunk_base, "choices": [], "usage": usage(choices, self.body.n)}
@@ -87,15 +117,25 @@ async def chat_completions(
     state.check_model(body.model)
     body.check_supported()
     params, auto = body.sampling_params()
+    messages, tools = body.template_messages(), None
+    template = state.tokenizer_info.get("chat_template")
+    plan = tool_plan(body, state.server_config.tool_call_parser, template)
+    if plan is not None:
+        messages, tools = plan.template_inputs(messages, template)
+        forced = plan.structured_output()
+        if forced is not None:
+            params = msgspec.structs.replace(params, structured_output=forced)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     job = Job(
         rid,
-        [body.template_messages()],
+        [messages],
         params,
         auto,
         n=body.n,
         chat=True,
         timeout=body.timeout,
         prompt_param="messages",
+        tools=tools,
     )
-    return await Driver(state, request, job).respond(ChatShape(body, rid, state.model_name), body.stream)
+    shape = ChatShape(body, rid, state.model_name, plan)
+    return await Driver(state, request, job).respond(shape, body.stream)

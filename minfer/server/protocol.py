@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minfer.core import InvalidRequestError, SamplingParams, StructuredOutput
 from minfer.server.errors import APIError
+from minfer.server.tool_parsers import template_arguments
 
 __all__ = ["APIError"]  # re-exported: the client of the workers raises it
 
@@ -28,6 +29,7 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
 MAX_LISTED_TOKEN_IDS = 1024  # stop_token_ids, logit_bias entries
 MAX_TIMEOUT_S = 24 * 3600.0
+MAX_TOOLS = 128  # OpenAI's own limit on `tools`
 
 # Integers cross to the workers as msgpack int64: a larger one is a 400 here, not a 500 there.
 Int = Annotated[int, Field(ge=-(2**63), lt=2**63)]
@@ -219,10 +221,52 @@ class TextPart(Body):
     text: str
 
 
+# OpenAI's rule for function names; it also keeps names safe to quote inside a prompt.
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionDefinition(Body):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Body):
+    name: FunctionName
+
+
+class NamedToolChoice(Body):
+    """tool_choice {"type": "function", "function": {"name": ...}}: call exactly this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(Body):
+    """A tool call of an earlier assistant turn, sent back in `messages`."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # role "tool": which call this is the result of
 
     def as_template_input(self) -> dict:
         """The plain dict a chat template expects; text parts are joined with newlines."""
@@ -232,6 +276,20 @@ class ChatMessage(Body):
         msg = {"role": self.role, "content": content or ""}
         if self.name:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": template_arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
 
 
@@ -241,7 +299,9 @@ class ChatCompletionRequest(OpenAISamplingFields):
     max_completion_tokens: Int | None = None
     logprobs: bool | None = None
     top_logprobs: Int | None = None
-    tools: list[dict] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -252,8 +312,13 @@ class ChatCompletionRequest(OpenAISamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def check_supported(self) -> None:
-        if self.tools:
-            raise APIError(400, "tools are not supported", "tools")
+        for i, msg in enumerate(self.messages):
+            if msg.tool_calls and msg.role != "assistant":
+                raise APIError(
+                    400,
+                    f"only assistant messages carry tool_calls, not {msg.role!r}",
+                    f"messages[{i}].tool_calls",
+                )
 
     def template_messages(self) -> list[dict]:
         return [msg.as_template_input() for msg in self.messages]

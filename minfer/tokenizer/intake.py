@@ -21,15 +21,17 @@ def load_model_tokenizer(config: EngineConfig):
     return load_tokenizer(resolve_model(config.model, config.load_format))
 
 
-def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """A conversation as text under the model's chat template."""
+def render_chat_text(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> str:
+    """A conversation as text under the model's chat template (with the tools it may call)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "this model has no chat template: send a plain prompt (/v1/completions)", "messages"
         )
     try:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except Exception as e:  # jinja raises for conversations the template refuses (roles order, ...)
         raise InvalidRequestError(f"the chat template rejected the messages: {e}", "messages") from e
@@ -62,11 +64,12 @@ class PromptEncoder:
         prompt_ids: list[int] | None = None,
         messages: list[dict] | None = None,
         add_special_tokens: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """Exactly one of `prompt` (text), `prompt_ids` or `messages` (chat) is given."""
+        """Exactly one of `prompt` (text), `prompt_ids` or `messages` (chat, with `tools`) is given."""
         if messages is not None:
-            self.meter.check_bytes(text_bytes(messages), "messages")
-            text = render_chat_text(self.tokenizer, messages)
+            self.meter.check_bytes(text_bytes(messages) + text_bytes(tools or []), "messages")
+            text = render_chat_text(self.tokenizer, messages, tools=tools)
             return self.meter.encode(text, add_special_tokens=False, param="messages")
         if prompt is not None:
             if self.tokenizer is None:

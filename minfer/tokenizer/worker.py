@@ -102,7 +102,9 @@ class TokenizerWorker:
         )
 
     def prompt_ids(self, req: m.GenerateRequest) -> list[int]:
-        return self.encoder.encode(req.prompt, req.prompt_ids, req.messages, req.add_special_tokens)
+        return self.encoder.encode(
+            req.prompt, req.prompt_ids, req.messages, req.add_special_tokens, req.tools
+        )
 
     def token_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""

