@@ -57,7 +57,7 @@ def _engine_parser(sub, name: str, help: str) -> argparse.ArgumentParser:
         dest="model_option",
         metavar="MODEL",
         default=None,
-        help="the model argument as a flag (vLLM's --model, SGLang's --model-path)",
+        help="the model argument as a flag (vLLM's --model, SGLang's --model-path) (default: the positional one)",
     )
     add_config_args(p, EngineConfig, skip=("model",))
     p.add_argument("--debug", action="store_true", help="show the traceback of an error (or MINFER_DEBUG=1)")
