@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    subcommand_parser = vars(args).pop("parser", parser)  # not an option: keep it out of args
     if unknown:
-        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        subcommand_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     debug = getattr(args, "debug", False) or os.environ.get("MINFER_DEBUG", "") not in ("", "0")
     try:
         return _run(args)
