@@ -14,8 +14,16 @@ import typing
 from dataclasses import dataclass, field
 
 
-def _opt(default, help: str, choices: tuple | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+class ConfigError(ValueError):
+    """A user's option value that minfer refuses; the CLI prints it as one line (exit code 2)."""
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model is neither a local path, a shipped shape, nor a (cached) Hugging Face repo."""
+
+
+def _opt(default, help: str, choices: tuple | None = None, nargs: str | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices, "nargs": nargs})
 
 
 # Values used when a field below is left at None and the device is a CPU.
@@ -39,6 +47,30 @@ class EngineConfig:
         None,
         "HF directory, .gguf file, or a shipped shape name (qwen3-0.6b, llama-3.1-8b); "
         "default: the embedded SmolLM2-135M-Instruct",
+    )
+    revision: str | None = _opt(
+        None, "Hugging Face model id only: branch, tag or commit to download (default: main)"
+    )
+    download_dir: str | None = _opt(
+        None, "Hugging Face model id only: cache directory (default: the hub's, ~/.cache/huggingface/hub)"
+    )
+    tokenizer: str | None = _opt(
+        None, "directory of the tokenizer to use instead of the model's (default: the model's)"
+    )
+    chat_template: str | None = _opt(
+        None,
+        "chat template used instead of the tokenizer's: a Jinja file, or the template itself "
+        "(a string containing {{ or {%%) (default: the tokenizer's)",
+    )
+    quantization: str | None = _opt(
+        None,
+        "accepted for vLLM/SGLang compatibility; minfer computes in --dtype and refuses any "
+        "quantization method (a .gguf file's weights are dequantized when loaded) (default: none)",
+    )
+    trust_remote_code: bool = _opt(
+        False,
+        "accepted for vLLM/SGLang compatibility; minfer runs no code from model repositories "
+        "(its own model classes only), so this changes nothing",
     )
     load_format: str = _opt("auto", "how to read the weights", ("auto", "safetensors", "gguf", "dummy"))
     dtype: str = _opt(
@@ -89,7 +121,9 @@ class EngineConfig:
         "turns it on too; the tests do)",
     )
     seed: int = _opt(0, "seed for requests that do not bring their own")
-    trace_requests: str | None = _opt(None, "write a JSONL trace of every request's events to this file")
+    trace_requests: str | None = _opt(
+        None, "write a JSONL trace of every request's events to this file (default: no trace)"
+    )
     log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
     log_stats_interval: float = _opt(
         10.0, "seconds between the scheduler's stats lines when serving (0: never)"
@@ -110,7 +144,12 @@ class ServerConfig:
 
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on")
-    served_model_name: str | None = _opt(None, "model name reported by /v1/models (default: the model path)")
+    served_model_name: str | None = _opt(
+        None,
+        "model name reported by /v1/models and accepted in `model` fields (default: the model path "
+        "or Hugging Face id); one name only",
+        nargs="+",
+    )
     api_key: str | None = _opt(
         None,
         "require `Authorization: Bearer KEY` on every endpoint but /health and /metrics (default: the "
@@ -156,18 +195,61 @@ def _base_type(tp) -> type:
     return tp
 
 
+# vLLM's and SGLang's names for minfer's options: each alias is one more spelling of the
+# minfer flag (same type, same check), so a `vllm serve` / `sglang.launch_server` command line
+# runs unchanged. docs/SERVING.md "Coming from vLLM / SGLang" renders this table.
+FLAG_ALIASES: dict[str, tuple[str, str]] = {
+    # alias: (minfer field, note)
+    "--model": ("model", "vLLM; same as the positional model argument"),
+    "--model-path": ("model", "SGLang; same as the positional model argument"),
+    "--tensor-parallel-size": ("tp", "vLLM"),
+    "-tp": ("tp", "vLLM"),
+    "--tp-size": ("tp", "SGLang"),
+    "--gpu-memory-utilization": ("mem_fraction", "vLLM; minfer's fraction also covers the weights"),
+    "--mem-fraction-static": ("mem_fraction", "SGLang"),
+    "--max-num-seqs": ("max_running_requests", "vLLM"),
+    "--max-running-requests": ("max_running_requests", "SGLang; minfer's own name too"),
+    "--max-num-batched-tokens": ("chunked_prefill_size", "vLLM; the token budget of one prefill step"),
+    "--context-length": ("max_model_len", "SGLang"),
+    "--tokenizer-path": ("tokenizer", "SGLang"),
+    "--download-dir": ("download_dir", "vLLM; minfer's own name too"),
+    "--random-seed": ("seed", "SGLang"),
+}
+
+
+def aliases_of(name: str) -> list[str]:
+    """The other spellings of field `name`'s flag."""
+    own = "--" + name.replace("_", "-")
+    return [alias for alias, (field_name, _) in FLAG_ALIASES.items() if field_name == name and alias != own]
+
+
+def _with_default(help: str, default) -> str:
+    """Help text that names the default, unless it already does (the flags' values live in the
+    dataclass, so argparse never sees them and cannot add them itself)."""
+    if "default" in help:
+        return help
+    shown = {False: "off", None: "not set"}.get(default, default) if default in (False, None) else default
+    return f"{help} (default: {shown})"
+
+
 def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
-    """Add one `--flag` per dataclass field of `cls` (defaults left to the dataclass)."""
+    """Add one `--flag` (plus its vLLM/SGLang aliases) per dataclass field of `cls`. Defaults stay
+    with the dataclass (SUPPRESS), so only the flags given reach it."""
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *aliases_of(f.name)]
         tp = _base_type(f.type)
-        kwargs = {"help": f.metadata.get("help"), "default": argparse.SUPPRESS, "dest": f.name}
+        kwargs = {
+            "help": _with_default(f.metadata["help"], f.default),
+            "default": argparse.SUPPRESS,
+            "dest": f.name,
+        }
         if tp is bool:
-            parser.add_argument(flag, action="store_true", **kwargs)
+            parser.add_argument(*flags, action="store_true", **kwargs)
         else:
-            parser.add_argument(flag, type=tp, choices=f.metadata.get("choices"), **kwargs)
+            nargs = f.metadata.get("nargs")
+            parser.add_argument(*flags, type=tp, choices=f.metadata.get("choices"), nargs=nargs, **kwargs)
 
 
 def config_from_kwargs(cls, kwargs: dict, strict: bool = True):
@@ -178,6 +260,7 @@ def config_from_kwargs(cls, kwargs: dict, strict: bool = True):
         raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options are {sorted(names)}")
     cfg = cls(**{k: v for k, v in kwargs.items() if k in names})
     validate_choices(cfg)
+    validate_values(cfg)
     return cfg
 
 
@@ -186,4 +269,43 @@ def validate_choices(cfg) -> None:
         choices = f.metadata.get("choices")
         value = getattr(cfg, f.name)
         if choices and value not in choices:
-            raise ValueError(f"{f.name}={value!r} is not one of {list(choices)}")
+            raise ConfigError(f"{f.name}={value!r} is not one of {list(choices)}")
+
+
+# field: (smallest, largest) allowed value; None in a field that allows None means "not set".
+_RANGES: dict[str, tuple[float, float]] = {
+    "max_model_len": (1, float("inf")),
+    "page_size": (1, float("inf")),
+    "kv_cache_tokens": (1, float("inf")),
+    "mem_fraction": (0.01, 1.0),
+    "max_running_requests": (1, float("inf")),
+    "max_queued_requests": (0, float("inf")),
+    "chunked_prefill_size": (1, float("inf")),
+    "tp": (1, float("inf")),
+    "nnodes": (1, float("inf")),
+    "node_rank": (0, float("inf")),
+    "cuda_graph_max_bs": (0, float("inf")),
+    "log_stats_interval": (0, float("inf")),
+    "max_unread_replies": (1, float("inf")),
+    "shutdown_timeout": (0, float("inf")),
+    "port": (0, 65535),
+    "max_request_bytes": (1, float("inf")),
+    "max_batch_prompts": (1, float("inf")),
+    "request_read_timeout": (0.001, float("inf")),
+}
+
+
+def validate_values(cfg) -> None:
+    """Refuse values no run could use, naming the flag, the value and the limit."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in _RANGES and value is not None:
+            low, high = _RANGES[f.name]
+            if not low <= value <= high:
+                limit = f">= {low:g}" if high == float("inf") else f"in [{low:g}, {high:g}]"
+                raise ConfigError(f"--{f.name.replace('_', '-')}={value} must be {limit}")
+    if getattr(cfg, "quantization", None) not in (None, "none"):
+        raise ConfigError(
+            f"--quantization {cfg.quantization}: minfer cannot run quantized weights; it computes in "
+            "--dtype (float32/bfloat16/float16), and a .gguf file's weights are dequantized when loaded"
+        )

@@ -28,8 +28,8 @@ from minfer.models.loader import (
     eos_token_ids,
     load_hf_config,
     load_tokenizer,
+    model_source,
     resolve_dtype,
-    resolve_model,
 )
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class Engine:
             if tp.size > 1:  # one GPU per rank of this node
                 self.device = torch.device("cuda", tp.local_rank)
             torch.cuda.set_device(self.device.index or 0)
-        self.source = resolve_model(config.model, config.load_format)
+        self.source = model_source(config)
         self.hf_config = load_hf_config(self.source)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = min(

@@ -19,12 +19,13 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import time
 
 import zmq
 
-from minfer.config import EngineConfig, ServerConfig
+from minfer.config import ConfigError, EngineConfig, ServerConfig
 from minfer.ipc import messages as m
 from minfer.ipc.ipc_dir import IpcDir
 from minfer.ipc.process import dead_workers
@@ -125,6 +126,19 @@ def wait_until_ready(sock: zmq.Socket, workers: Workers) -> dict[str, dict]:
     return ready
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on before anything loads (a model load can take
+    minutes, and uvicorn would only find out after it)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            # As uvicorn binds: a port whose old connections linger in TIME_WAIT is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e} (--port picks another)") from e
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -134,6 +148,7 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     logging.basicConfig(level=engine_cfg.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     if engine_cfg.node_rank > 0:  # a worker node of a multi-node job: its ranks only, no HTTP
         return run_worker_node(engine_cfg)
+    check_port_free(server_cfg.host, server_cfg.port)
     ipc_dir = IpcDir()
     endpoints = Endpoints.in_dir(ipc_dir.path)
     zctx = zmq.Context()

@@ -16,9 +16,9 @@ from minfer.tokenizer.prompt_limits import PromptMeter, text_bytes
 
 
 def load_model_tokenizer(config: EngineConfig):
-    from minfer.models.loader import load_tokenizer, resolve_model
+    from minfer.models.loader import load_tokenizer, model_source
 
-    return load_tokenizer(resolve_model(config.model, config.load_format))
+    return load_tokenizer(model_source(config))
 
 
 def render_chat_text(
