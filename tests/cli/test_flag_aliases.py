@@ -4,7 +4,7 @@ makes the command name minfer's own flag, which shows where the alias went witho
 from __future__ import annotations
 
 import pytest
-from conftest import assert_one_line_error, minfer
+from cli_harness import assert_one_line_error, minfer
 
 from minfer.config import FLAG_ALIASES
 

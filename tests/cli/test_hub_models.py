@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import HUB_REPO_ID, assert_one_line_error, minfer
+from cli_harness import HUB_REPO_ID, assert_one_line_error, minfer
 
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
 

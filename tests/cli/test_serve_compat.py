@@ -4,7 +4,7 @@ vLLM's flag names, a --chat-template that must reach the tokenizer worker."""
 from __future__ import annotations
 
 import httpx
-from conftest import HUB_REPO_ID
+from cli_harness import HUB_REPO_ID
 from server_harness import Server
 
 TEMPLATE = "{{ raise_exception('refused by the --chat-template') }}"

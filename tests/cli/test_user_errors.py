@@ -7,7 +7,7 @@ import socket
 import time
 
 import pytest
-from conftest import assert_one_line_error, minfer
+from cli_harness import assert_one_line_error, minfer
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"], ["shell"]])
