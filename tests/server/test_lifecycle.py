@@ -99,6 +99,30 @@ def test_bad_model_fails_fast(tmp_path):
     assert "no-such-model" in text and "Traceback" not in text and "loading" not in text
 
 
+def test_worker_that_fails_to_start_is_reported(tiny_chat_model, tmp_path):
+    """A model that resolves but cannot load (corrupt weights): the scheduler worker reports why,
+    the server prints it and exits 1 with no process left."""
+    import shutil
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_chat_model, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "minfer", "serve", str(broken), "--port", "1"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            check=False,
+        )
+    assert proc.returncode == 1, log.read_text()[-2000:]
+    assert "failed to start" in log.read_text()
+
+
 def test_sigterm_while_loading(tiny_chat_model, tmp_path):
     log = tmp_path / "server.log"
     with open(log, "w") as out:
