@@ -79,7 +79,7 @@ def _bench_serve_parser(bench_sub) -> argparse.ArgumentParser:
     p = bench_sub.add_parser(
         "serve",
         help="online benchmark of a running server (Poisson arrivals, streaming)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_serve_args(p)
 

@@ -20,7 +20,7 @@ WORKLOAD_ARGS = ("num_requests", "input_len", "output_len", "bench_seed")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--num-requests", type=int, default=256, help="requests in the workload")
     p.add_argument("--input-len", type=int, default=1024, help="upper end of the prompt length range")
     p.add_argument("--output-len", type=int, default=1024, help="upper end of the max_tokens range")
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the workload's random draws")

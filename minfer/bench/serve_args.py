@@ -44,7 +44,9 @@ def positive_int(text: str) -> int:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
-    p.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
+    p.add_argument(
+        "--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions", help="the API to stream from"
+    )
     p.add_argument(
         "--model", default=None, help="model name sent in requests (default: the first of /v1/models)"
     )
@@ -55,7 +57,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="random-length prompts of random token ids, or nano-vllm's offline draw (default: random)",
     )
     p.add_argument(
-        "--dataset", default=None, help="a JSONL file: one {prompt | messages, max_tokens?} per line"
+        "--dataset",
+        default=None,
+        help="a JSONL file: one {prompt | messages, max_tokens?} per line (default: none, use --workload)",
     )
     p.add_argument(
         "--num-prompts",
@@ -64,13 +68,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="requests to send (default: random 1000, nano-vllm 256, dataset: every line)",
     )
     p.add_argument(
-        "--input-len", type=positive_int, default=None, help="prompt tokens (nano-vllm: upper end)"
+        "--input-len",
+        type=positive_int,
+        default=None,
+        help="prompt tokens (nano-vllm: upper end) (default: 1024)",
     )
     p.add_argument(
         "--output-len",
         type=positive_int,
         default=None,
-        help="max_tokens (nano-vllm: upper end; dataset: for lines without max_tokens)",
+        help="max_tokens (nano-vllm: upper end; dataset: for lines without max_tokens) (default: random 128, nano-vllm 1024, dataset 128)",
     )
     p.add_argument(
         "--range-ratio", type=float, default=0.0, help="random: lengths uniform in [L*(1-r), L*(1+r)]"
@@ -81,7 +88,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=math.inf,
         help="mean requests per second of the Poisson arrivals, or inf to send all at once",
     )
-    p.add_argument("--max-concurrency", type=positive_int, default=None, help="requests in flight at most")
+    p.add_argument(
+        "--max-concurrency",
+        type=positive_int,
+        default=None,
+        help="requests in flight at most (default: no limit)",
+    )
     p.add_argument(
         "--num-warmups",
         type=int,
@@ -98,12 +110,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ignore-eos", action="store_true", help="send ignore_eos so every output is max_tokens long"
     )
-    p.add_argument("--slo", default=None, help="goodput limits in ms, e.g. ttft:500,tpot:50 (also e2e)")
+    p.add_argument(
+        "--slo",
+        default=None,
+        help="goodput limits in ms, e.g. ttft:500,tpot:50 (also e2e) (default: none, no goodput line)",
+    )
     p.add_argument(
         "--client-processes",
         type=positive_int,
         default=1,
         help="client processes to shard the requests over (one takes ~35,000 tok/s of CPU)",
     )
-    p.add_argument("--output-json", default=None, help="write every metric and per-request record here")
+    p.add_argument(
+        "--output-json",
+        default=None,
+        help="write every metric and per-request record here (default: not written)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

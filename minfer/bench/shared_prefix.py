@@ -19,11 +19,11 @@ WORKLOAD_ARGS = ("num_requests", "system_len", "question_len", "output_len", "be
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--system-len", type=int, default=1000)
-    p.add_argument("--question-len", type=int, default=50)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--bench-seed", type=int, default=0)
+    p.add_argument("--num-requests", type=int, default=64, help="requests, all sharing one system prompt")
+    p.add_argument("--system-len", type=int, default=1000, help="tokens of the shared system prompt")
+    p.add_argument("--question-len", type=int, default=50, help="tokens of each request's own question")
+    p.add_argument("--output-len", type=int, default=32, help="max_tokens of each request")
+    p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
 
 
 def make_workload(num_requests: int, system_len: int, question_len: int, vocab: int, seed: int = 0):

@@ -74,7 +74,17 @@ def test_version():
     assert result.returncode == 0 and result.stdout.startswith("minfer 0.")
 
 
-@pytest.mark.parametrize("command", [["serve"], ["generate"], ["shell"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["serve"],
+        ["generate"],
+        ["shell"],
+        ["bench", "offline"],
+        ["bench", "shared-prefix"],
+        ["bench", "serve"],
+    ],
+)
 def test_help_shows_every_flags_default_and_help(command):
     from minfer.cli import build_parser
 
