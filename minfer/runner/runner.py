@@ -39,9 +39,7 @@ class Runner:
     @property
     def max_request_tokens(self) -> int:
         """Prompt + max_tokens a request may have: the context, or the KV pool if smaller."""
-        sched = self.scheduler
-        pool_tokens = (sched.kv.num_pages - sched.decode_reserve_pages) * sched.config.page_size
-        return min(self.engine.max_model_len, pool_tokens)
+        return min(self.engine.max_model_len, self.scheduler.pool_request_tokens)
 
     def add(
         self,

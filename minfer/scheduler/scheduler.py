@@ -146,8 +146,7 @@ class Scheduler:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        # A request alone in the pool must be able to finish, or preemption could not help it.
-        pool_tokens = (self.kv.num_pages - self.decode_reserve_pages) * self.config.page_size
+        pool_tokens = self.pool_request_tokens
         if len(token_ids) + params.max_tokens > pool_tokens:
             raise InvalidRequestError(
                 f"the request needs {len(token_ids)} prompt + {params.max_tokens} max_tokens KV slots, more than "
@@ -164,6 +163,12 @@ class Scheduler:
                 raise InvalidRequestError(
                     f"token id {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})", field_name
                 )
+
+    @property
+    def pool_request_tokens(self) -> int:
+        """Prompt + max_tokens the KV pool holds for one request alone: it must be able to finish
+        alone, or preemption could not help it."""
+        return (self.kv.num_pages - self.decode_reserve_pages) * self.config.page_size
 
     def abort(self, uid: int) -> StepOutput | None:
         """End a request wherever it is; its KV is freed now. None if it is unknown or done."""
