@@ -18,8 +18,7 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
         meta = ctx.attn
-        k_pool, v_pool = ctx.kv_pool.k[layer], ctx.kv_pool.v[layer]
-        num_heads, num_kv_heads = q.shape[1], k_pool.shape[1]
+        num_heads, num_kv_heads = q.shape[1], ctx.kv_pool.num_kv_heads
         group = num_heads // num_kv_heads
         out = torch.empty_like(q)
         start = 0
@@ -27,10 +26,8 @@ class TorchAttentionBackend:
         for i, (prefix, extend) in enumerate(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)):
             seq = prefix + extend
             slots = meta.page_table[int(table_idx[i]), :seq].long()
-            # index_select, not k_pool[slots]: advanced indexing on CPU goes through a parallel
-            # kernel whose thread wake-up costs milliseconds on a busy machine.
-            k = k_pool.index_select(0, slots).transpose(0, 1)  # [Hk, S, D]
-            v = v_pool.index_select(0, slots).transpose(0, 1)
+            k, v = ctx.kv_pool.gather(layer, slots)
+            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hk, S, D]
             if group > 1:
                 k = k.repeat_interleave(group, dim=0)
                 v = v.repeat_interleave(group, dim=0)

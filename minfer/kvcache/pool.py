@@ -40,3 +40,11 @@ class KVPool:
         (On CUDA the model writes through the fused minfer/kernels/rope_store.py instead.)"""
         self.k[layer].index_copy_(0, out_loc, k)
         self.v[layer].index_copy_(0, out_loc, v)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read step for the torch backend: K and V at `slots` ([S] int64), each [S, Hk, D], in
+        the dtype attention computes with. Every torch-side read of the pool goes through here,
+        so a change of storage format (a low-bit cache) has one place to decode."""
+        # index_select, not k[slots]: advanced indexing on CPU goes through a parallel kernel
+        # whose thread wake-up costs milliseconds on a busy machine.
+        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
