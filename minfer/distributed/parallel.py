@@ -53,6 +53,11 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate each rank's shard along the last dimension, in rank order."""
         if self.size == 1:

@@ -49,7 +49,10 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # One logits buffer for every captured size (outside the graph pool), so the graphs do
         # not each keep a [bs, vocab] output alive.
-        self.logits = torch.empty((self.max_bs, engine.vocab_size), dtype=torch.float32, device=dev)
+        # With TP the graphs end at this rank's vocabulary shard: whether to gather the whole
+        # rows is a per-batch choice (engine/sample_step.py), made after the replay.
+        width = engine.model.lm_head.rows_per_rank if engine.tp.size > 1 else engine.vocab_size
+        self.logits = torch.empty((self.max_bs, width), dtype=torch.float32, device=dev)
         self.capture()
 
     def _context(self, bs: int) -> ForwardContext:
@@ -69,6 +72,8 @@ class CudaGraphRunner:
     def _run(self, bs: int) -> torch.Tensor:
         model = self.engine.model
         hidden = model(self.input_ids[:bs], self.positions[:bs], self._context(bs))
+        if self.engine.tp.size > 1:
+            return model.shard_logits(hidden, out=self.logits[:bs])
         return model.compute_logits(hidden, out=self.logits[:bs])
 
     def capture(self) -> None:

@@ -18,8 +18,7 @@ from minfer.device import to_device
 from minfer.distributed.parallel import SINGLE, TPGroup
 from minfer.engine.logprobs import LogprobTensors, reduce_logprobs, rows_of
 from minfer.engine.memory import MemoryBudget, plan_memory
-from minfer.engine.penalties import apply_adjustments, build_adjustments
-from minfer.engine.sampler import SamplingTensors, sample
+from minfer.engine.sample_step import sample_step
 from minfer.kvcache.page_table import PageTable
 from minfer.kvcache.pool import KVPool
 from minfer.models.llama import head_dim_of
@@ -139,6 +138,7 @@ class Engine:
     def __init__(self, config: EngineConfig, tp: TPGroup = SINGLE):
         self.config = config
         self.tp = tp
+        self.vocab_parallel_draws = 0  # batches drawn shard by shard (engine/vocab_parallel.py)
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             if tp.size > 1:  # one GPU per rank of this node
@@ -251,31 +251,12 @@ class Engine:
                     if len(sampled_rows) < len(reqs):
                         ends = ends[to_device(sampled_rows, torch.int64, self.device)]
                     hidden = hidden[ends]
-                logits = self.model.compute_logits(hidden)
+                # With TP the vocabulary stays sharded here: sample_step gathers only if it must.
+                logits = (
+                    self.model.shard_logits(hidden) if self.tp.size > 1 else self.model.compute_logits(hidden)
+                )
             chosen = [reqs[i] for i in sampled_rows]
-            # Logprobs are of the raw logits: read them before any adjustment (see logprobs.py).
-            logprob_rows = [j for j, r in enumerate(chosen) if r.params.logprobs is not None]
-            raw_logits = logits
-            if logprob_rows:
-                raw_logits = logits[to_device(logprob_rows, torch.int64, self.device)]
-            adjustments = build_adjustments(chosen, self.page_table, self.vocab_size, self.device)
-            if adjustments is not None:
-                logits = apply_adjustments(logits, adjustments)  # raw_logits is a copy when needed
-            if any(r.grammar is not None for r in chosen):
-                self.grammar_backend().apply(logits, [r.grammar for r in chosen])
-            st = SamplingTensors.build(
-                [r.params for r in chosen],
-                [r.seed for r in chosen],
-                [r.device_len for r in chosen],
-                self.vocab_size,
-                self.device,
-            )
-            next_tokens = sample(logits, st)
-            sampled_logprobs = None
-            if logprob_rows:
-                targets = next_tokens[to_device(logprob_rows, torch.int64, self.device)]
-                k = max(chosen[j].params.logprobs for j in logprob_rows)
-                sampled_logprobs = reduce_logprobs(raw_logits, targets, k)
+            next_tokens, sampled_logprobs, logprob_rows = sample_step(self, chosen, logits)
             # The sampled token becomes known on the device at position device_len, where the
             # next decode step's input gather finds it without a trip through the CPU.
             where = to_device(

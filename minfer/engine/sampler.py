@@ -72,10 +72,13 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] uniforms in (0, 1), a pure function of (seed, position, vocab index)."""
+def uniform_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, num_cols: int, col_offset: int = 0
+) -> torch.Tensor:
+    """[B, num_cols] uniforms in (0, 1), a pure function of (seed, position, vocab index) for
+    the vocabulary entries col_offset .. col_offset + num_cols - 1."""
     row_key = _mix32((seeds * 0x9E3779B1 + positions * 0x85EBCA77 + 0x165667B1) & _M32)
-    col = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    col = torch.arange(col_offset, col_offset + num_cols, device=seeds.device, dtype=torch.int64)
     bits = _mix32((row_key[:, None] ^ ((col[None, :] * 0x27D4EB2F) & _M32)) + 0x61C88647 & _M32)
     return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
@@ -112,3 +115,31 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, st.positions, logits.shape[-1])))
     sampled_tokens = (scaled + gumbel).argmax(dim=-1)
     return torch.where(st.temperature > 0, sampled_tokens, greedy_tokens)
+
+
+def filters_apply(params: SamplingParams) -> bool:
+    """Whether top-k, top-p or min-p can change this request's draw (they need the whole row)."""
+    return not params.greedy and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0)
+
+
+def best_of_shard(
+    logits: torch.Tensor, st: SamplingTensors, col_offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The winner of each row over a slice of the vocabulary (rows without filters): (vocabulary
+    index [B] int64, value [B] float32), where the value is the raw logit for greedy rows and
+    logit / T + Gumbel noise otherwise. The winner over the whole vocabulary is the slice winner
+    of greatest value (lowest index on ties), and it is the token `sample` draws."""
+    if logits.is_cuda:
+        from minfer.kernels.sampling import gumbel_best
+
+        cols, values = gumbel_best(logits, st.temperature, st.seeds, st.positions, col_offset)
+        return cols + col_offset, values
+    if st.all_greedy:
+        values, cols = logits.max(dim=-1)
+        return cols + col_offset, values
+    temperature = torch.where(st.temperature > 0, st.temperature, 1.0)
+    noise = uniform_noise(st.seeds, st.positions, logits.shape[-1], col_offset)
+    perturbed = logits / temperature[:, None] + -torch.log(-torch.log(noise))
+    perturbed = torch.where(st.temperature[:, None] > 0, perturbed, logits)
+    values, cols = perturbed.max(dim=-1)
+    return cols + col_offset, values

@@ -47,11 +47,14 @@ def _gumbel_argmax_chunk_kernel(
     best_val_ptr,
     best_idx_ptr,
     vocab_size,
+    col_offset,
     num_chunks,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Pass 1, grid (row, chunk): the best perturbed logit of one chunk of one row."""
+    """Pass 1, grid (row, chunk): the best perturbed logit of one chunk of one row. Column c
+    of `logits` is vocabulary entry col_offset + c (a TP rank's shard starts there), and its
+    noise is that entry's."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
@@ -68,7 +71,8 @@ def _gumbel_argmax_chunk_kernel(
         mask = cols < vocab_size
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask, other=float("-inf"))
         if temperature > 0:
-            bits = _mix32((row_key ^ (cols.to(tl.uint32) * 0x27D4EB2F)) + 0x61C88647)
+            vocab_cols = (cols + col_offset).to(tl.uint32)
+            bits = _mix32((row_key ^ (vocab_cols * 0x27D4EB2F)) + 0x61C88647)
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             x = x * inv_t - tl.log(-tl.log(u))
             x = tl.where(mask, x, float("-inf"))
@@ -85,21 +89,37 @@ def _gumbel_argmax_chunk_kernel(
 
 
 @triton.jit
-def _pick_best_chunk_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
-    """Pass 2, grid (row,): the token of the best chunk (the first of equal ones)."""
+def _pick_best_chunk_kernel(
+    best_val_ptr, best_idx_ptr, out_ptr, out_val_ptr, num_chunks, BLOCK_C: tl.constexpr
+):
+    """Pass 2, grid (row,): the token of the best chunk (the first of equal ones) and its value."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     vals = tl.load(best_val_ptr + row * num_chunks + offs, mask=offs < num_chunks, other=float("-inf"))
     best = tl.argmax(vals, 0)
     tl.store(out_ptr + row, tl.load(best_idx_ptr + row * num_chunks + best).to(tl.int64))
+    tl.store(out_val_ptr + row, tl.max(vals, 0))
 
 
 def gumbel_argmax(
     logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
     """logits [B, V] float32 (last dim contiguous) -> sampled token ids [B] int64."""
+    return gumbel_best(logits, temperature, seeds, positions)[0]
+
+
+def gumbel_best(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    col_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(column [B] int64, perturbed value [B] float32) of each row's winner; the columns of
+    `logits` are vocabulary entries col_offset.. (see the chunk kernel)."""
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    out_val = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch:
         num_chunks = triton.cdiv(vocab, CHUNK)
         best_val = torch.empty((batch, num_chunks), dtype=torch.float32, device=logits.device)
@@ -113,12 +133,19 @@ def gumbel_argmax(
             best_val,
             best_idx,
             vocab,
+            col_offset,
             num_chunks,
             CHUNK=CHUNK,
             BLOCK=BLOCK,
             num_warps=4,
         )
         _pick_best_chunk_kernel[(batch,)](
-            best_val, best_idx, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1
+            best_val,
+            best_idx,
+            out,
+            out_val,
+            num_chunks,
+            BLOCK_C=triton.next_power_of_2(num_chunks),
+            num_warps=1,
         )
-    return out
+    return out, out_val

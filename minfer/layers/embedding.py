@@ -38,6 +38,17 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits = hidden @ W.T, each rank computing its vocabulary slice, gathered at the end."""
 
+    def shard_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [T, rows_per_rank] of this rank's vocabulary slice (no communication;
+        the last shard's padding columns are 0: `gather_logits` and the vocabulary-parallel
+        sampler cut them off). Written into `out` when given."""
+        logits = F.linear(hidden, self.weight)
+        return logits.float() if out is None else out.copy_(logits)
+
+    def gather_logits(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's `shard_logits` side by side: float32 [T, vocab]."""
+        return self.tp.all_gather_last_dim(shard)[..., : self.vocab_size]
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [T, vocab], written into `out` when given."""
         if self.tp.size == 1 and _mm_writes_fp32(hidden):

@@ -161,6 +161,10 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits; into `out` when given (CUDA graphs share one static buffer)."""
         return self.lm_head.compute_logits(hidden, out)
 
+    def shard_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This TP rank's vocabulary slice of the logits (see ParallelLMHead.shard_logits)."""
+        return self.lm_head.shard_logits(hidden, out)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint tensors by Hugging Face name, sharding each as it arrives."""
         params = dict(self.named_parameters(remove_duplicate=False))

@@ -130,3 +130,26 @@ def test_traceback_rank_prefix_once_after_several_tp_jobs(model_dir):
     assert proc.returncode == 1
     assert "[rank0]: RuntimeError: after two TP jobs" in proc.stderr, proc.stderr[-2000:]
     assert "[rank0]: [rank0]:" not in proc.stderr
+
+
+def test_vocab_parallel_draw_matches_tp1(tmp_path):
+    """Greedy and temperature-only rows are drawn shard by shard (no logits gathered), with a
+    vocabulary that does not split evenly (the last shard is padded); a batch with logprobs
+    gathers the rows instead. Both give tp=1's tokens."""
+    save_tiny_model("qwen3", tmp_path, num_key_value_heads=2, vocab_size=259)
+    batch = prompts(n=5, seed=3)
+    plain = [SamplingParams(temperature=t, max_tokens=10, ignore_eos=True, seed=3) for t in (0.0, 0.8, 1.1)]
+    with_logprobs = SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True, seed=5, logprobs=2)
+
+    def drive(llm: LLM) -> list:
+        try:
+            out = [llm.generate(batch, p, use_tqdm=False) for p in plain]
+            out.append(llm.generate(batch, with_logprobs, use_tqdm=False))
+            return [o.token_ids for outs in out for o in outs], llm.engine.vocab_parallel_draws
+        finally:
+            llm.shutdown()
+
+    expected, _ = drive(LLM(str(tmp_path), log_level="warning"))
+    got, draws = drive(LLM(str(tmp_path), tp=2, log_level="warning"))
+    assert draws > 0
+    assert got == expected

@@ -43,3 +43,32 @@ def test_gumbel_argmax_across_chunks_and_ties(device):
     got = _kernel_tokens(logits, st, device)
     assert got[:3] == [5, CHUNK + 3, vocab - 1]
     assert got == sample(logits, st).tolist()
+
+
+def test_gumbel_best_over_vocabulary_shards(device):
+    """Each TP rank runs the kernel on its slice (col_offset = the slice's first entry): the best
+    of the slices' winners is the whole-row token, and the values are the perturbed logits."""
+    from minfer.kernels.sampling import gumbel_best
+
+    torch.manual_seed(2)
+    batch, vocab = 4, CHUNK + 517
+    logits = torch.randn(batch, vocab) * 2
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.8, 1.0, 1.2)]
+    st = SamplingTensors.build(params, [4, 5, 6, 7], [11] * batch, vocab, torch.device("cpu"))
+    expected = sample(logits, st).tolist()
+    half = vocab // 2
+    parts = []
+    for start, stop in ((0, half), (half, vocab)):
+        cols, values = gumbel_best(
+            logits[:, start:stop].contiguous().to(device),
+            st.temperature.to(device),
+            st.seeds.to(device),
+            st.positions.to(device),
+            start,
+        )
+        parts.append((cols.cpu() + start, values.cpu()))
+    winners = [
+        int(parts[0][0][r]) if parts[0][1][r] >= parts[1][1][r] else int(parts[1][0][r]) for r in range(batch)
+    ]
+    assert winners == expected
+    assert parts[0][1][0] == logits[0, :half].max()  # a greedy row's value is its raw logit

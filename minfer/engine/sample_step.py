@@ -1,0 +1,70 @@
+"""One pass's sampling: from the logits of the rows that sample to token ids and the logprobs
+asked for, on the device.
+
+Order matters and is the same for every row: logprobs read the raw logits, then penalties,
+logit bias and min-tokens bans adjust them (engine/penalties.py), then grammar masks, then the
+draw (engine/sampler.py). With tensor parallelism the logits arrive as this rank's vocabulary
+shard; a batch that needs none of those steps is drawn shard by shard
+(engine/vocab_parallel.py), any other batch gathers the whole rows first.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from minfer.core import Req
+from minfer.device import to_device
+from minfer.engine.logprobs import LogprobTensors, reduce_logprobs
+from minfer.engine.penalties import apply_adjustments, build_adjustments
+from minfer.engine.sampler import SamplingTensors, filters_apply, sample
+from minfer.engine.vocab_parallel import sample_vocab_parallel
+
+if TYPE_CHECKING:
+    from minfer.engine.engine import Engine
+
+
+def sample_step(
+    engine: Engine, chosen: list[Req], logits: torch.Tensor
+) -> tuple[torch.Tensor, LogprobTensors | None, list[int]]:
+    """(next tokens [B], logprobs of the sampled tokens or None, the rows of `chosen` those
+    logprobs belong to). `logits` is float32 [B, vocab], or [B, shard] when TP splits the
+    vocabulary."""
+    logprob_rows = [j for j, r in enumerate(chosen) if r.params.logprobs is not None]
+    adjustments = build_adjustments(chosen, engine.page_table, engine.vocab_size, engine.device)
+    has_grammar = any(r.grammar is not None for r in chosen)
+    st = SamplingTensors.build(
+        [r.params for r in chosen],
+        [r.seed for r in chosen],
+        [r.device_len for r in chosen],
+        engine.vocab_size,
+        engine.device,
+    )
+    if engine.tp.size > 1:
+        whole_row_needed = (
+            logprob_rows
+            or adjustments is not None
+            or has_grammar
+            or any(filters_apply(r.params) for r in chosen)
+        )
+        lm_head = engine.model.lm_head
+        if not whole_row_needed:
+            engine.vocab_parallel_draws += 1
+            return sample_vocab_parallel(logits, st, engine.tp, lm_head.start, engine.vocab_size), None, []
+        logits = lm_head.gather_logits(logits)
+    # Logprobs are of the raw logits: read them before any adjustment (see logprobs.py).
+    raw_logits = logits
+    if logprob_rows:
+        raw_logits = logits[to_device(logprob_rows, torch.int64, engine.device)]
+    if adjustments is not None:
+        logits = apply_adjustments(logits, adjustments)  # raw_logits is a copy when needed
+    if has_grammar:
+        engine.grammar_backend().apply(logits, [r.grammar for r in chosen])
+    next_tokens = sample(logits, st)
+    sampled_logprobs = None
+    if logprob_rows:
+        targets = next_tokens[to_device(logprob_rows, torch.int64, engine.device)]
+        k = max(chosen[j].params.logprobs for j in logprob_rows)
+        sampled_logprobs = reduce_logprobs(raw_logits, targets, k)
+    return next_tokens, sampled_logprobs, logprob_rows
