@@ -49,6 +49,24 @@ def test_mixed_batch_under_chunked_prefill_matches_transformers(moe_model, page_
     assert got == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
 
 
+def test_memory_line_and_bench_floor_count_the_experts(moe_model):
+    from minfer.bench.offline import moe_weights_of
+
+    arch, path, hf = moe_model
+    _, llm = _generate(path, [[1, 2, 3]])
+    cfg = hf.config
+    num_experts = cfg.num_experts if arch == "qwen3_moe" else cfg.num_local_experts
+    inter = cfg.moe_intermediate_size if arch == "qwen3_moe" else cfg.intermediate_size
+    sparse_layers = 1 if arch == "qwen3_moe" else cfg.num_hidden_layers  # qwen3_moe: layer 1 dense
+    per_expert = 3 * inter * cfg.hidden_size  # gate, up, down
+    memory = llm.engine.memory
+    assert memory.expert_weights_bytes == sparse_layers * num_experts * per_expert * 4  # float32
+    assert f"(experts {memory.expert_weights_bytes / 2**30:.2f})" in memory.describe(512)
+    moe = moe_weights_of(llm.engine.model, 1)
+    assert (moe.layers, moe.num_experts, moe.top_k) == (sparse_layers, num_experts, 2)
+    assert (moe.params_per_expert, moe.bytes_per_expert) == (per_expert, 4 * per_expert)
+
+
 def test_prefix_cache_hits_and_matches_transformers(moe_model):
     _, path, hf = moe_model
     prompts = _prompts(2, [4, 9, 13], prefix=_prompts(3, [40])[0])
