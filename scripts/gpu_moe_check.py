@@ -5,7 +5,8 @@ dummy bf16 weights, at decode batches 1, 64, 256 and a 4096-token prefill (and M
 layer, 8 experts of 14336, top 2, at batches 1 and 256). Each case:
   - compares minfer.kernels.moe.fused_moe with the torch path (minfer.layers.moe.moe_reference,
     run in float32 on the same bf16 weights): PASS when the relative error norm < 1e-2;
-  - times (triton.testing.do_bench, median) the align step, the gate_up GEMM, the down GEMM,
+  - checks the align kernel against its torch ops (decode sizes);
+  - times (triton.testing.do_bench, median) the align step (kernel and torch ops), the gate_up GEMM, the down GEMM,
     the per-token sum, the whole fused_moe and the torch path;
   - sets the layer against its floor: bytes of the experts the batch actually chose (and the
     activations) over the H200's 4.26 TB/s copy ceiling, and 2 x rows x 3 x I x H FLOPs over
@@ -93,6 +94,18 @@ def check(shape: dict, tokens: int) -> bool:
     out_rows = torch.empty(rows, shape["hidden"], dtype=DTYPE, device="cuda")
     flat_w = weights.reshape(-1).float()
     t_align = ms(lambda: moe.align_to_experts(ids, e, config["BLOCK_M"]))
+    t_align_torch = ms(lambda: moe.align_to_experts_torch(ids, e, config["BLOCK_M"]))
+    if rows <= moe.ALIGN_KERNEL_MAX_ROWS:  # the align kernel against its torch oracle
+        want = moe.align_to_experts_torch(ids, e, config["BLOCK_M"])
+        end = int(want[2])
+        same = int(aligned[2]) == end and torch.equal(aligned[0][:end], want[0][:end])
+        same = same and torch.equal(
+            aligned[1][: end // config["BLOCK_M"]], want[1][: end // config["BLOCK_M"]]
+        )
+        ok = ok and same
+        print(
+            f"{'PASS' if same else 'FAIL'} {shape['name']} tokens={tokens}: align kernel equals the torch ops"
+        )
     t_gate_up = ms(lambda: moe.grouped_gemm(x, gate_up, act, aligned, config, shape["top_k"], True))
     t_down = ms(lambda: moe.grouped_gemm(act, down, out_rows, aligned, config, 1, False, flat_w))
     t_sum = ms(lambda: out_rows.view(tokens, shape["top_k"], -1).sum(dim=1))
@@ -106,7 +119,7 @@ def check(shape: dict, tokens: int) -> bool:
         f"rel err {err:.2e}, experts hit {len(torch.unique(ids))}/{e}"
     )
     print(
-        f"    align {1e3 * t_align:.1f} us | gate_up {1e3 * t_gate_up:.1f} us | down {1e3 * t_down:.1f} us "
+        f"    align {1e3 * t_align:.1f} us (torch ops {1e3 * t_align_torch:.1f} us) | gate_up {1e3 * t_gate_up:.1f} us | down {1e3 * t_down:.1f} us "
         f"| sum {1e3 * t_sum:.1f} us | fused_moe {1e3 * t_fused:.1f} us | torch path {1e3 * t_torch:.1f} us"
     )
     print(

@@ -2,9 +2,11 @@
 
 1. `align_to_experts`: each (token, slot) assignment is a row; rows are sorted by expert and
    each expert's run is padded to a multiple of BLOCK_M, so a block of BLOCK_M rows belongs to
-   one expert. Torch ops with shapes fixed by (tokens, top_k, experts, BLOCK_M) alone (no host
-   sync), so a decode step stays capturable in a CUDA graph; pad rows carry the sentinel
-   `tokens * top_k` and blocks past the padded total exit at once.
+   one expert. Output shapes depend on (tokens, top_k, experts, BLOCK_M) alone (no host sync),
+   so a decode step stays capturable in a CUDA graph; pad rows carry the sentinel
+   `tokens * top_k` and blocks past the padded total exit at once. Up to ALIGN_KERNEL_MAX_ROWS
+   rows (decode) it is one Triton launch, one program per expert; beyond, about twenty torch
+   ops (`align_to_experts_torch`, also the kernel's oracle), whose launches a prefill hides.
 2. gate_up GEMM: for each block, the gate and up tiles of its expert are accumulated side by
    side and SiLU(gate) * up is stored (the [rows, intermediate] activation never exists
    unfused).
@@ -45,16 +47,95 @@ def config_for(num_rows: int, num_experts: int) -> dict:
     return table[phase]
 
 
+# Each program of the align kernel scans all rows (once to count every expert's rows, once for
+# its own): cheap for a decode step's few rows, quadratic-ish waste for a prefill's thousands.
+ALIGN_KERNEL_MAX_ROWS = 4096
+_ALIGN_CHUNK = 64  # rows per step of the align kernel's scans ([chunk, experts] compares)
+
+
+def _capacity(num_rows: int, num_experts: int, block_m: int) -> int:
+    # at most min(experts, rows) groups get padding, each less than one block
+    return triton.cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m) * block_m
+
+
 def align_to_experts(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_rows int32 [capacity], block_expert int32 [capacity / block_m], padded_total
-    int32 [1]): rows (flat indices into topk_ids) grouped by expert, each group padded to a
-    multiple of block_m with the sentinel topk_ids.numel(); the expert of every block."""
+    int32 [1]): rows (flat indices into topk_ids) grouped by expert in row order, each group
+    padded to a multiple of block_m with the sentinel topk_ids.numel(); the expert of every
+    block. Entries past padded_total are unspecified (the GEMMs never read them)."""
+    n = topk_ids.numel()
+    if use_kernel is None:
+        use_kernel = topk_ids.is_cuda and n <= ALIGN_KERNEL_MAX_ROWS
+    if not use_kernel:
+        return align_to_experts_torch(topk_ids, num_experts, block_m)
+    capacity = _capacity(n, num_experts, block_m)
+    device = topk_ids.device
+    sorted_rows = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    padded_total = torch.empty(1, dtype=torch.int32, device=device)
+    _align_kernel[(num_experts,)](
+        topk_ids.reshape(-1),
+        sorted_rows,
+        block_expert,
+        padded_total,
+        n,
+        BLOCK_M=block_m,
+        CHUNK=_ALIGN_CHUNK,
+        EXPERTS=triton.next_power_of_2(num_experts),
+        MAX_BLOCKS=triton.next_power_of_2(triton.cdiv(n, block_m)),
+    )
+    return sorted_rows, block_expert, padded_total
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    padded_total_ptr,
+    n,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    EXPERTS: tl.constexpr,
+    MAX_BLOCKS: tl.constexpr,
+):
+    """Program e: count every expert's rows (for e's offset: the padded sizes of experts < e),
+    then write e's rows in row order, its pad rows, and the expert id of its blocks."""
+    e = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS)
+    counts = tl.zeros((EXPERTS,), dtype=tl.int32)
+    for r0 in range(0, n, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + r, mask=r < n, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    offset = tl.sum(tl.where(experts < e, padded, 0))
+    count = tl.sum(tl.where(experts == e, counts, 0))
+    seen = count * 0  # rows of e written so far (a tensor, so the loop may carry it)
+    for r0 in range(0, n, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        mine = tl.load(ids_ptr + r, mask=r < n, other=-1).to(tl.int32) == e
+        rank = seen + tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        tl.store(sorted_rows_ptr + offset + rank, r.to(tl.int32), mask=mine)
+        seen += tl.sum(mine.to(tl.int32))
+    pad = count + tl.arange(0, BLOCK_M)
+    padded_e = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.store(sorted_rows_ptr + offset + pad, n, mask=pad < padded_e)
+    blocks = tl.arange(0, MAX_BLOCKS)
+    tl.store(block_expert_ptr + offset // BLOCK_M + blocks, e, mask=blocks < padded_e // BLOCK_M)
+    if e == 0:
+        tl.store(padded_total_ptr, tl.sum(padded))
+
+
+def align_to_experts_torch(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align_to_experts` as torch ops (prefill, and the align kernel's oracle)."""
     flat = topk_ids.reshape(-1)
     n = flat.numel()
-    # at most min(experts, rows) groups get padding, each less than one block
-    capacity = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+    capacity = _capacity(n, num_experts, block_m)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
