@@ -104,3 +104,23 @@ def test_tp2_shards_expert_intermediate_and_matches_transformers(moe_model):
     assert experts.inter_per_rank * 2 == hf.model.layers[0].mlp.experts.down_proj.shape[2]
     assert got == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
     llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "shape,total,active",
+    [("qwen3-30b-a3b", 30_532_122_624, 3.35e9), ("mixtral-8x7b", 46_702_792_704, 12.9e9)],
+)
+def test_shipped_moe_shapes_have_the_published_sizes(shape, total, active):
+    """Built on the meta device (no memory): 30.5B total / 3.3B active (Qwen3-30B-A3B), 46.7B /
+    12.9B (Mixtral-8x7B), as their model cards say."""
+    from minfer.bench.offline import moe_weights_of
+    from minfer.models.loader import load_hf_config, resolve_model
+    from minfer.models.registry import model_class_for
+
+    config = load_hf_config(resolve_model(shape))
+    with torch.device("meta"):
+        model = model_class_for(config)(config, max_positions=128)
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    moe = moe_weights_of(model, 1)
+    assert params == total
+    assert abs(params - moe.params + moe.layers * moe.top_k * moe.params_per_expert - active) < 0.05e9
