@@ -40,11 +40,16 @@ def block_configs() -> dict:
         return json.load(f)
 
 
-def config_for(num_rows: int, num_experts: int) -> dict:
-    """The block config for `num_rows` = tokens x top_k assignments spread over the experts."""
+def config_for(num_rows: int, num_experts: int, element_size: int = 2) -> dict:
+    """The block config for `num_rows` = tokens x top_k assignments spread over the experts.
+    The tables are for 2-byte types; float32 tiles are twice the bytes, so fewer pipeline
+    stages keep them within shared memory (the gated GEMM holds three tiles per stage)."""
     table = block_configs()
     phase = "decode" if num_rows / num_experts <= table["decode_max_rows_per_expert"] else "prefill"
-    return table[phase]
+    config = table[phase]
+    if element_size > 2:
+        config = dict(config, num_stages=min(config["num_stages"], 2))
+    return config
 
 
 # Each program of the align kernel scans all rows (once to count every expert's rows, once for
@@ -267,7 +272,7 @@ def fused_moe(
     tokens, top_k = topk_ids.shape
     num_experts, hidden, inter = down.shape
     rows = tokens * top_k
-    config = config or config_for(rows, num_experts)
+    config = config or config_for(rows, num_experts, x.element_size())
     aligned = align_to_experts(topk_ids, num_experts, config["BLOCK_M"])
     activation = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     grouped_gemm(x, gate_up, activation, aligned, config, top_k, gated=True)

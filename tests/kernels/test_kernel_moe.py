@@ -78,3 +78,12 @@ def test_block_configs_cover_decode_and_prefill():
     assert decode["BLOCK_M"] < prefill["BLOCK_M"]
     for config in (decode, prefill):
         assert set(config) == set(TINY)
+
+
+def test_float32_configs_fit_shared_memory():
+    """Three fp32 tiles per stage (x, gate, up): the table's stages would overflow an H200's
+    227 KiB of shared memory, so float32 runs with at most two."""
+    for rows in (8, 4096 * 8):
+        config = moe.config_for(rows, 128, element_size=4)
+        tile = config["BLOCK_K"] * (config["BLOCK_M"] + 2 * config["BLOCK_N"]) * 4
+        assert config["num_stages"] * tile <= 227 * 1024
