@@ -43,12 +43,12 @@ def tiny_hf_config(arch: str, **overrides):
     elif arch == "mistral":
         cfg = transformers.MistralConfig(**kw, sliding_window=None, tie_word_embeddings=False)
     elif arch == "qwen3_moe":  # layer 0 sparse (8 experts, top 2), layer 1 dense (mlp_only_layers)
-        kw = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, **kw)
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
         cfg = transformers.Qwen3MoeConfig(
-            **kw, head_dim=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]
+            **{**moe, **kw}, head_dim=32, norm_topk_prob=True, decoder_sparse_step=1
         )
     elif arch == "mixtral":
-        kw = dict(num_local_experts=4, num_experts_per_tok=2, **kw)
+        kw = {"num_local_experts": 4, "num_experts_per_tok": 2, **kw}
         cfg = transformers.MixtralConfig(**kw, sliding_window=None, tie_word_embeddings=False)
     else:
         raise ValueError(arch)

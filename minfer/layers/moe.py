@@ -83,16 +83,19 @@ class FusedExperts(nn.Module):
         self.down_proj.weight_loader = self._load
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int | None, str]) -> None:
-        """shard = (expert, part): part is gate / up / down for one expert's matrix, or
-        gate_up / down with expert None for a tensor that stacks them all already."""
+        """shard = (expert, part): part is gate / up / down for one expert's matrix; with
+        expert None, a tensor that stacks every expert's gate_up, gate, up or down."""
         expert, part = shard
         n, start = self.inter_per_rank, self.tp.rank * self.inter_per_rank
         full = self.gate_up_proj.shape[1] // 2 * self.tp.size  # the unsharded intermediate size
         if expert is None and part == "gate_up":
             param.data[:, :n].copy_(loaded.narrow(1, start, n))
             param.data[:, n:].copy_(loaded.narrow(1, full + start, n))
-        elif expert is None:
+        elif expert is None and part == "down":
             param.data.copy_(loaded.narrow(2, start, n))
+        elif expert is None:
+            offset = 0 if part == "gate" else n
+            param.data[:, offset : offset + n].copy_(loaded.narrow(1, start, n))
         elif part == "down":
             param.data[expert].copy_(loaded.narrow(1, start, n))
         else:

@@ -12,8 +12,9 @@ from minfer.models.llama import LlamaForCausalLM
 # `...mlp.experts.7.gate_proj.weight` (Qwen3-MoE) / `...mlp.experts.7.w1.weight` (Mixtral)
 _PER_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-# transformers 5.x may save the stacked form itself: `...mlp.experts.gate_up_proj`
-_STACKED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# All experts in one tensor: transformers 5.x's own form (`...mlp.experts.gate_up_proj`), or
+# GGUF's, which stacks gate and up apart (`...mlp.experts.gate_proj.weight`, models/gguf_moe.py).
+_STACKED = re.compile(r"\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?$")
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -53,5 +54,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             return target, (int(expert), _PART[part])
         stacked = _STACKED.search(name)
         if stacked:
-            return name, (None, "gate_up" if stacked.group(1) == "gate_up_proj" else "down")
+            part = stacked.group(1).removesuffix("_proj")
+            target = name[: stacked.start()] + ".mlp.experts."
+            return target + ("down_proj" if part == "down" else "gate_up_proj"), (None, part)
         return super().checkpoint_target(name)
