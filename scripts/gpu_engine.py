@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def parity(rows: list[str]) -> None:
     import torch
-    from tiny_models import ARCHS, save_tiny_model
+    from tiny_models import ARCHS, MOE_ARCHS, save_tiny_model
 
     from minfer import LLM, SamplingParams
 
@@ -26,7 +26,7 @@ def parity(rows: list[str]) -> None:
         [(i * 7 + j * 13) % 250 for j in range(n)] for i, n in enumerate([5, 70, 17, 1, 33, 300, 2, 129])
     ]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    for arch in ARCHS:
+    for arch in ARCHS + MOE_ARCHS:  # MoE: the fused Triton experts, in and out of CUDA graphs
         path = tempfile.mkdtemp()
         save_tiny_model(arch, path)
         for dtype in ("float32", "bfloat16"):

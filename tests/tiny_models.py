@@ -17,6 +17,7 @@ TINY = dict(
 )
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+MOE_ARCHS = ["qwen3_moe", "mixtral"]  # tests/models/test_moe_parity.py
 
 
 def tiny_hf_config(arch: str, **overrides):
@@ -41,6 +42,14 @@ def tiny_hf_config(arch: str, **overrides):
         cfg = transformers.Qwen3Config(**kw, head_dim=32, tie_word_embeddings=True)
     elif arch == "mistral":
         cfg = transformers.MistralConfig(**kw, sliding_window=None, tie_word_embeddings=False)
+    elif arch == "qwen3_moe":  # layer 0 sparse (8 experts, top 2), layer 1 dense (mlp_only_layers)
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
+        cfg = transformers.Qwen3MoeConfig(
+            **{**moe, **kw}, head_dim=32, norm_topk_prob=True, decoder_sparse_step=1
+        )
+    elif arch == "mixtral":
+        kw = {"num_local_experts": 4, "num_experts_per_tok": 2, **kw}
+        cfg = transformers.MixtralConfig(**kw, sliding_window=None, tie_word_embeddings=False)
     else:
         raise ValueError(arch)
     return cfg
@@ -57,6 +66,8 @@ def save_tiny_model(arch: str, path, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("mlp.gate.weight"):  # a router: spread its logits so tokens' experts differ
+                p.normal_(0, 0.5)
     model.eval()
     model.save_pretrained(path)
     return model

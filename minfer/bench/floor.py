@@ -3,6 +3,12 @@
 Decode: every step reads all weights once plus the KV of every running request (bytes over
 memory bandwidth). Prefill: 2 x parameters FLOPs per prompt token (FLOPs over matmul rate).
 The attention FLOPs and activation traffic are left out, so the floor is a true lower bound.
+
+Mixture-of-experts models (`MoeWeights`): a decode step reads only the experts its tokens
+chose. Under uniform routing, B tokens each picking k of E experts touch
+E x (1 - (1 - k/E)^B) distinct experts per layer on average (an expert is missed by one token
+with probability 1 - k/E); that many experts' bytes are read per MoE layer, besides the dense
+weights. A prefill token costs 2 x (dense parameters + k experts' parameters per layer) FLOPs.
 """
 
 from __future__ import annotations
@@ -60,6 +66,34 @@ def measure_host_card(repeats: int = 5) -> Card:
     )
 
 
+@dataclass(frozen=True)
+class MoeWeights:
+    """The experts of a mixture-of-experts model, of which each step reads only a part."""
+
+    layers: int  # MoE layers
+    num_experts: int
+    top_k: int
+    bytes_per_expert: int  # one expert of one layer (all TP ranks together)
+    params_per_expert: int
+
+    @property
+    def bytes(self) -> int:
+        return self.layers * self.num_experts * self.bytes_per_expert
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.num_experts * self.params_per_expert
+
+    def expected_experts(self, batch: int) -> float:
+        """Distinct experts per layer that `batch` tokens touch under uniform routing."""
+        e, k = self.num_experts, self.top_k
+        return e * (1 - (1 - k / e) ** batch)
+
+    def step_bytes(self, batch: int) -> float:
+        """Expert bytes one decode step of `batch` tokens reads, over all MoE layers."""
+        return self.layers * self.bytes_per_expert * self.expected_experts(batch)
+
+
 @dataclass
 class Floor:
     decode_seconds: float
@@ -77,14 +111,25 @@ def workload_floor(
     kv_bytes_per_token: int,
     prompt_lens: list[int],
     output_lens: list[int],
+    moe: MoeWeights | None = None,
 ) -> Floor:
     """All requests run concurrently from the first decode step (the most favourable batching):
     step s reads the weights and, for each request still generating, prompt + s tokens of KV.
-    The first output token comes from prefill, so a request of n outputs takes n - 1 decode steps."""
+    The first output token comes from prefill, so a request of n outputs takes n - 1 decode steps.
+    With `moe`, `num_params` and `weight_bytes` include the experts; step s reads the experts
+    that its batch (the requests still generating) is expected to touch."""
     steps = max(output_lens) - 1
     kv_token_reads = sum(
         n * (p + (n - 1) / 2) for p, n in ((p, o - 1) for p, o in zip(prompt_lens, output_lens))
     )
-    decode = (steps * weight_bytes + kv_token_reads * kv_bytes_per_token) / card.bandwidth
-    prefill = 2 * num_params * sum(prompt_lens) / card.matmul_rate
+    if moe is None:
+        weight_reads = steps * weight_bytes
+        prefill_params = num_params
+    else:
+        decode_steps = [o - 1 for o in output_lens]
+        batches = [sum(n > s for n in decode_steps) for s in range(steps)]
+        weight_reads = steps * (weight_bytes - moe.bytes) + sum(map(moe.step_bytes, batches))
+        prefill_params = num_params - moe.params + moe.layers * moe.top_k * moe.params_per_expert
+    decode = (weight_reads + kv_token_reads * kv_bytes_per_token) / card.bandwidth
+    prefill = 2 * prefill_params * sum(prompt_lens) / card.matmul_rate
     return Floor(decode, prefill)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from minfer.bench.floor import H200, measure_host_card, workload_floor
+from minfer.bench.floor import H200, MoeWeights, measure_host_card, workload_floor
 from minfer.bench.workloads import nano_vllm_draw
 from minfer.config import EngineConfig
 from minfer.core import SamplingParams
@@ -30,6 +30,25 @@ def make_workload(num_requests: int = 256, input_len: int = 1024, output_len: in
     """nano-vllm's draw (workloads.nano_vllm_draw) with its sampling: temperature 0.6, ignore_eos."""
     prompts, max_tokens = nano_vllm_draw(num_requests, input_len, output_len, seed)
     return prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+
+
+def moe_weights_of(model, tp_size: int) -> MoeWeights | None:
+    """The floor's view of a mixture-of-experts model's experts (None for a dense model); each
+    rank holds 1/tp of every expert, so one expert's bytes are this rank's times tp_size."""
+    from minfer.layers.moe import SparseMoeBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks:
+        return None
+    experts = blocks[0].experts
+    params = (experts.gate_up_proj.numel() + experts.down_proj.numel()) // experts.num_experts
+    return MoeWeights(
+        len(blocks),
+        experts.num_experts,
+        blocks[0].top_k,
+        params * experts.gate_up_proj.element_size() * tp_size,
+        params * tp_size,
+    )
 
 
 def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -80,6 +99,7 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
         engine.kv_bytes_per_token * engine.tp.size,
         [len(p) for p in prompts],
         [p.max_tokens for p in params],
+        moe_weights_of(engine.model, engine.tp.size),
     )
     mean_bs = c.decode_batch_total / max(c.decode_steps, 1)
     print(

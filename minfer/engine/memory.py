@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from minfer.config import CPU_DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_RUNNING_REQUESTS
+from minfer.layers.moe import expert_weight_bytes
 
 GiB = 1 << 30
 
@@ -37,6 +38,15 @@ class MemoryBudget:
     overridden: bool  # kv_pool_tokens came from --kv-cache-tokens
     graph_measured_bytes: int = 0  # what capturing the graphs actually took (after start-up)
     tp_size: int = 1  # with TP: per-rank figures, and the pool is the least any rank affords
+    expert_weights_bytes: int = 0  # the part of weights_bytes in mixture-of-experts experts
+
+    @property
+    def weights_text(self) -> str:
+        """The weights in GiB, and the experts' share of them for a mixture-of-experts model."""
+        text = f"{self.weights_bytes / GiB:.2f}"
+        if self.expert_weights_bytes:
+            text += f" (experts {self.expert_weights_bytes / GiB:.2f})"
+        return text
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,13 +57,13 @@ class MemoryBudget:
         if self.device == "cpu" or self.overridden:
             how = "set by --kv-cache-tokens" if self.overridden else "CPU default"
             return (
-                f"memory: weights {self.weights_bytes / GiB:.2f} GiB; KV pool {self.kv_pool_tokens} tokens "
+                f"memory: weights {self.weights_text} GiB; KV pool {self.kv_pool_tokens} tokens "
                 f"x {self.kv_bytes_per_token} B/token = {kv_gib:.2f} GiB ({how}); "
                 f"{full} concurrent requests at full context ({max_model_len} tokens)"
             )
         return (
             f"memory: total {self.total_bytes / GiB:.2f} GiB x mem_fraction {self.mem_fraction} "
-            f"- in use before {self.in_use_before_bytes / GiB:.2f} - weights {self.weights_bytes / GiB:.2f} "
+            f"- in use before {self.in_use_before_bytes / GiB:.2f} - weights {self.weights_text} "
             f"- activations {self.activation_reserve_bytes / GiB:.2f} "
             f"- cuda graphs {self.graph_reserve_bytes / GiB:.2f} = KV pool {kv_gib:.2f} GiB "
             f"/ {self.kv_bytes_per_token} B/token = {self.kv_pool_tokens} tokens"
@@ -79,11 +89,23 @@ def _param_bytes(model: torch.nn.Module) -> int:
 def plan_memory(engine, in_use_before: int) -> MemoryBudget:
     cfg = engine.config
     weights = _param_bytes(engine.model)
+    experts = expert_weight_bytes(engine.model)
     per_token = engine.kv_bytes_per_token
     if engine.device.type != "cuda":
         tokens = cfg.kv_cache_tokens or CPU_DEFAULT_KV_CACHE_TOKENS
+        overridden = cfg.kv_cache_tokens is not None
         return MemoryBudget(
-            "cpu", 0, 0, weights, 0, 0, cfg.mem_fraction, per_token, tokens, cfg.kv_cache_tokens is not None
+            "cpu",
+            0,
+            0,
+            weights,
+            0,
+            0,
+            cfg.mem_fraction,
+            per_token,
+            tokens,
+            overridden,
+            expert_weights_bytes=experts,
         )
     total = torch.cuda.mem_get_info(engine.device)[1]
     activation = profile_activation_peak(engine)
@@ -111,6 +133,7 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
         tokens,
         cfg.kv_cache_tokens is not None,
         tp_size=engine.tp.size,
+        expert_weights_bytes=experts,
     )
 
 

@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minfer.models.gguf_moe import MOE_ARCHITECTURES, MOE_LAYER_NAMES, MOE_MODEL_TYPES, moe_architecture
+
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1  # bump when the conversion changes, so stale copies are not reused
@@ -47,8 +49,10 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **MOE_ARCHITECTURES,
 }
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+MODEL_TYPES.update(MOE_MODEL_TYPES)
 
 # Architectures whose Q/K rows llama.cpp's converter permutes (see `unpermute_qk`).
 PERMUTED_QK = {"llama"}
@@ -66,6 +70,7 @@ LAYER_NAMES = {  # blk.N.<key> -> model.layers.N.<value>
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    **MOE_LAYER_NAMES,
 }
 # Tensors that carry no weights of their own: llama.cpp stores Llama 3 RoPE scaling as
 # per-frequency factors in `rope_freqs`; `gguf_config` turns them back into rope parameters.
@@ -209,7 +214,7 @@ def _config_from_reader(reader):
 
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(i for i in eos if i is not None))  # llama 3 ends turns with eot, not eos
-    architecture = ARCHITECTURES[arch]
+    architecture, moe_fields = moe_architecture(ARCHITECTURES[arch], meta)
     return AutoConfig.for_model(
         MODEL_TYPES[architecture],
         architectures=[architecture],
@@ -228,6 +233,7 @@ def _config_from_reader(reader):
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        **moe_fields,
     )
 
 

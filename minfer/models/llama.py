@@ -102,11 +102,18 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg, layer_id: int, tp: TPGroup, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+        self,
+        cfg,
+        layer_id: int,
+        tp: TPGroup,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm: bool,
+        mlp: nn.Module | None = None,
     ):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, tp, rotary, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -122,12 +129,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg, tp: TPGroup, max_positions: int, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg, tp: TPGroup, max_positions: int, qkv_bias: bool, qk_norm: bool, make_mlp=None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(head_dim_of(cfg), max_positions, rope_parameters(cfg))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, tp, rotary, qkv_bias, qk_norm) for i in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, i, tp, rotary, qkv_bias, qk_norm, make_mlp and make_mlp(cfg, i, tp))
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -148,14 +156,24 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         max_positions = max_positions or cfg.max_position_embeddings
         qkv_bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
-        self.model = LlamaModel(cfg, tp, max_positions, qkv_bias, self.qk_norm)
+        self.model = LlamaModel(cfg, tp, max_positions, qkv_bias, self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    # The MLP of layer `layer_id`; None: the dense LlamaMLP. Mixture-of-experts models override it.
+    make_mlp = None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """(parameter name, shard id or None) that checkpoint tensor `name` loads into."""
+        for fragment, (fused, shard_id) in STACKED.items():
+            if fragment in name:
+                return name.replace(fragment, fused), shard_id
+        return name, None
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits; into `out` when given (CUDA graphs share one static buffer)."""
@@ -174,11 +192,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied: the embedding is the head
-            shard = None
-            for fragment, (fused, shard_id) in STACKED.items():
-                if fragment in name:
-                    name, shard = name.replace(fragment, fused), shard_id
-                    break
+            name, shard = self.checkpoint_target(name)
             if name not in params:
                 raise KeyError(
                     f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}"

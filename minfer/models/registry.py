@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from minfer.models.llama import LlamaForCausalLM
 from minfer.models.mistral import MistralForCausalLM
+from minfer.models.mixtral import MixtralForCausalLM
 from minfer.models.qwen2 import Qwen2ForCausalLM
 from minfer.models.qwen3 import Qwen3ForCausalLM
+from minfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

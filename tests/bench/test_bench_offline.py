@@ -85,3 +85,26 @@ def test_host_card_is_measured():
     # Any host: more than a slow DIMM's 1 GB/s, less than an H200's; GEMM between 1 GFLOP/s and 100 TFLOP/s.
     assert 1e9 < card.bandwidth < H200.bandwidth and 1e9 < card.matmul_rate < 1e14
     assert "measured" in card.name
+
+
+def test_moe_floor_reads_the_experts_a_step_can_touch():
+    """Per decode step, E(1 - (1 - k/E)^B) experts per layer: top-k at batch 1, nearly all at
+    batch 256 (Qwen3-30B-A3B: 128 experts, top 8); prefill FLOPs count only top-k experts."""
+    from minfer.bench.floor import MoeWeights
+
+    moe = MoeWeights(
+        layers=48,
+        num_experts=128,
+        top_k=8,
+        bytes_per_expert=2 * 3 * 768 * 2048,
+        params_per_expert=3 * 768 * 2048,
+    )
+    assert moe.expected_experts(1) == 8
+    assert moe.expected_experts(4) == 29.123046875  # 128 x (1 - (15/16)^4), by hand
+    assert moe.expected_experts(256) > 127.99
+    dense_params = 1_000_000
+    one = dict(prompt_lens=[10], output_lens=[3])  # two decode steps at batch 1
+    floor = workload_floor(H200, dense_params + moe.params, 2 * dense_params + moe.bytes, 0, moe=moe, **one)
+    assert floor.decode_seconds == 2 * (2 * dense_params + 48 * 8 * moe.bytes_per_expert) / H200.bandwidth
+    active = dense_params + 48 * 8 * moe.params_per_expert
+    assert floor.prefill_seconds == 2 * active * 10 / H200.matmul_rate
