@@ -37,9 +37,14 @@ class MemoryBudget:
     overridden: bool  # kv_pool_tokens came from --kv-cache-tokens
     graph_measured_bytes: int = 0  # what capturing the graphs actually took (after start-up)
     tp_size: int = 1  # with TP: per-rank figures, and the pool is the least any rank affords
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: fp8_e4m3 halves kv_bytes_per_token
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def _kv_dtype_note(self) -> str:
+        return f" ({self.kv_cache_dtype})" if self.kv_cache_dtype != "auto" else ""
 
     def describe(self, max_model_len: int) -> str:
         full = self.kv_pool_tokens // max_model_len
@@ -48,7 +53,7 @@ class MemoryBudget:
             how = "set by --kv-cache-tokens" if self.overridden else "CPU default"
             return (
                 f"memory: weights {self.weights_bytes / GiB:.2f} GiB; KV pool {self.kv_pool_tokens} tokens "
-                f"x {self.kv_bytes_per_token} B/token = {kv_gib:.2f} GiB ({how}); "
+                f"x {self.kv_bytes_per_token} B/token{self._kv_dtype_note} = {kv_gib:.2f} GiB ({how}); "
                 f"{full} concurrent requests at full context ({max_model_len} tokens)"
             )
         return (
@@ -56,7 +61,7 @@ class MemoryBudget:
             f"- in use before {self.in_use_before_bytes / GiB:.2f} - weights {self.weights_bytes / GiB:.2f} "
             f"- activations {self.activation_reserve_bytes / GiB:.2f} "
             f"- cuda graphs {self.graph_reserve_bytes / GiB:.2f} = KV pool {kv_gib:.2f} GiB "
-            f"/ {self.kv_bytes_per_token} B/token = {self.kv_pool_tokens} tokens"
+            f"/ {self.kv_bytes_per_token} B/token{self._kv_dtype_note} = {self.kv_pool_tokens} tokens"
             f"{f' (per rank; the least of {self.tp_size} TP ranks)' if self.tp_size > 1 else ''}; "
             f"{full} concurrent requests at full context ({max_model_len} tokens)"
             + (
@@ -83,7 +88,17 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
     if engine.device.type != "cuda":
         tokens = cfg.kv_cache_tokens or CPU_DEFAULT_KV_CACHE_TOKENS
         return MemoryBudget(
-            "cpu", 0, 0, weights, 0, 0, cfg.mem_fraction, per_token, tokens, cfg.kv_cache_tokens is not None
+            "cpu",
+            0,
+            0,
+            weights,
+            0,
+            0,
+            cfg.mem_fraction,
+            per_token,
+            tokens,
+            cfg.kv_cache_tokens is not None,
+            kv_cache_dtype=cfg.kv_cache_dtype,
         )
     total = torch.cuda.mem_get_info(engine.device)[1]
     activation = profile_activation_peak(engine)
@@ -111,6 +126,7 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
         tokens,
         cfg.kv_cache_tokens is not None,
         tp_size=engine.tp.size,
+        kv_cache_dtype=cfg.kv_cache_dtype,
     )
 
 
@@ -145,6 +161,7 @@ def profile_activation_peak(engine) -> int:
         page,
         engine.dtype,
         engine.device,
+        engine.config.kv_cache_dtype,
     )
     pool_bytes = torch.cuda.memory_allocated() - base
     table = torch.arange(n, dtype=torch.int32, device=engine.device)[None, :]
