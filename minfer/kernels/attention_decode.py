@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import attend_blocks, dequantized, num_sms
+from minfer.kernels.common import attend_blocks, gather_rows, num_sms
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -299,8 +299,8 @@ def decode_attention_reference(
     group = q.shape[1] // k_pool.shape[1]
     for b, (row, seq) in enumerate(zip(table_idx.tolist(), seq_lens.tolist())):
         slots = page_table[row, :seq].long()
-        k = dequantized(k_pool[slots], k_scale, q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
-        v = dequantized(v_pool[slots], v_scale, q.dtype).repeat_interleave(group, dim=1)
+        k = gather_rows(k_pool, slots, k_scale, q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = gather_rows(v_pool, slots, v_scale, q.dtype).repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,shd->hs", q[b].float(), k) * scale
         out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), v).to(q.dtype)
     return out

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import attend_blocks, dequantized
+from minfer.kernels.common import attend_blocks, gather_rows
 
 LOG2E = 1.4426950408889634
 # GPU launch configuration; scripts/gpu_check.py --sweep times alternatives. On an H200 in bf16
@@ -246,8 +246,8 @@ def extend_attention_reference(
     for row, prefix, seq in zip(table_idx.tolist(), prefix_lens.tolist(), seq_lens.tolist()):
         extend = seq - prefix
         slots = page_table[row, :seq].long()
-        k = dequantized(k_pool[slots], k_scale, q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
-        v = dequantized(v_pool[slots], v_scale, q.dtype).repeat_interleave(group, dim=1)
+        k = gather_rows(k_pool, slots, k_scale, q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = gather_rows(v_pool, slots, v_scale, q.dtype).repeat_interleave(group, dim=1)
         scores = torch.einsum("ehd,shd->hes", q[start : start + extend].float(), k) * scale
         visible = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)

@@ -40,12 +40,15 @@ def dot(a, b):
 FP8_MAX = 448.0  # largest finite float8_e4m3fn; the format has no infinity
 
 
-def dequantized(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered pool rows [S, Hk, D] as float32 for the torch references: an fp8 pool times its
-    per-head scales, rounded to the compute dtype (what KVPool.gather returns), else as stored."""
+def gather_rows(pool: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype):
+    """Pool rows at `slots` ([S, Hk, D]) as float32, for the torch references: an fp8 pool
+    times its per-head scales and rounded to the compute dtype (what KVPool.gather returns),
+    any other pool as stored. fp8 rows are indexed as bytes: not every torch build indexes
+    float8 tensors on every device."""
     if scale is None:
-        return kv.float()
-    return (kv.float() * scale[:, None]).to(dtype).float()
+        return pool[slots].float()
+    rows = pool.view(torch.uint8)[slots].view(pool.dtype)
+    return (rows.float() * scale[:, None]).to(dtype).float()
 
 
 @triton.jit
