@@ -84,6 +84,12 @@ class EngineConfig:
     kv_cache_tokens: int | None = _opt(
         None, "KV pool size in tokens; overrides the measured size on CUDA (CPU default: 16384)"
     )
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "KV cache storage: auto = the compute dtype; fp8_e4m3 = one byte per value with a static "
+        "float32 scale per layer and kv head (half the bytes of bf16, twice the tokens; docs/MEMORY.md)",
+        ("auto", "fp8_e4m3"),
+    )
     mem_fraction: float = _opt(0.90, "fraction of total device memory minfer may use (CUDA)")
     max_running_requests: int | None = _opt(
         None,

@@ -23,9 +23,14 @@ class TritonAttentionBackend:
         device tensors, so a decode step can be captured in a CUDA graph and replayed.
         """
         meta = ctx.attn
-        k_pool, v_pool = ctx.kv_pool.k[layer], ctx.kv_pool.v[layer]
+        pool = ctx.kv_pool
+        k_pool, v_pool = pool.k[layer], pool.v[layer]
+        # An fp8 pool's kernels widen K/V in registers and apply the layer's per-head scales.
+        scales = {"k_scale": pool.k_scale[layer], "v_scale": pool.v_scale[layer]} if pool.quantized else {}
         if meta.is_decode:
-            return decode_attention(q, k_pool, v_pool, meta.page_table, meta.table_idx, meta.seq_lens, scale)
+            return decode_attention(
+                q, k_pool, v_pool, meta.page_table, meta.table_idx, meta.seq_lens, scale, **scales
+            )
         return extend_attention(
             q,
             k_pool,
@@ -37,4 +42,5 @@ class TritonAttentionBackend:
             meta.cu_extend_lens,
             meta.max_extend_len,
             scale,
+            **scales,
         )

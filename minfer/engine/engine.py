@@ -164,7 +164,11 @@ class Engine:
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, head_dim_of(self.hf_config)
         self.kv_bytes_per_token = KVPool.bytes_per_token(
-            self.hf_config.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype
+            self.hf_config.num_hidden_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            config.kv_cache_dtype,
         )
         self.memory: MemoryBudget = plan_memory(self, memory_before)
         self.max_running_requests = config.max_running_requests or default_max_running_requests(
@@ -180,6 +184,7 @@ class Engine:
             page,
             self.dtype,
             self.device,
+            config.kv_cache_dtype,
         )
         self.page_table = PageTable(self.max_running_requests, self.max_model_len, self.device)
         self.page_table.point_padding_row_at(self.kv_pool.scratch_slot)

@@ -39,6 +39,7 @@ class MemoryBudget:
     graph_measured_bytes: int = 0  # what capturing the graphs actually took (after start-up)
     tp_size: int = 1  # with TP: per-rank figures, and the pool is the least any rank affords
     expert_weights_bytes: int = 0  # the part of weights_bytes in mixture-of-experts experts
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: fp8_e4m3 halves kv_bytes_per_token
 
     @property
     def weights_text(self) -> str:
@@ -51,6 +52,10 @@ class MemoryBudget:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def _kv_dtype_note(self) -> str:
+        return f" ({self.kv_cache_dtype})" if self.kv_cache_dtype != "auto" else ""
+
     def describe(self, max_model_len: int) -> str:
         full = self.kv_pool_tokens // max_model_len
         kv_gib = self.kv_pool_tokens * self.kv_bytes_per_token / GiB
@@ -58,7 +63,7 @@ class MemoryBudget:
             how = "set by --kv-cache-tokens" if self.overridden else "CPU default"
             return (
                 f"memory: weights {self.weights_text} GiB; KV pool {self.kv_pool_tokens} tokens "
-                f"x {self.kv_bytes_per_token} B/token = {kv_gib:.2f} GiB ({how}); "
+                f"x {self.kv_bytes_per_token} B/token{self._kv_dtype_note} = {kv_gib:.2f} GiB ({how}); "
                 f"{full} concurrent requests at full context ({max_model_len} tokens)"
             )
         return (
@@ -66,7 +71,7 @@ class MemoryBudget:
             f"- in use before {self.in_use_before_bytes / GiB:.2f} - weights {self.weights_text} "
             f"- activations {self.activation_reserve_bytes / GiB:.2f} "
             f"- cuda graphs {self.graph_reserve_bytes / GiB:.2f} = KV pool {kv_gib:.2f} GiB "
-            f"/ {self.kv_bytes_per_token} B/token = {self.kv_pool_tokens} tokens"
+            f"/ {self.kv_bytes_per_token} B/token{self._kv_dtype_note} = {self.kv_pool_tokens} tokens"
             f"{f' (per rank; the least of {self.tp_size} TP ranks)' if self.tp_size > 1 else ''}; "
             f"{full} concurrent requests at full context ({max_model_len} tokens)"
             + (
@@ -106,6 +111,7 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
             tokens,
             overridden,
             expert_weights_bytes=experts,
+            kv_cache_dtype=cfg.kv_cache_dtype,
         )
     total = torch.cuda.mem_get_info(engine.device)[1]
     activation = profile_activation_peak(engine)
@@ -134,6 +140,7 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
         cfg.kv_cache_tokens is not None,
         tp_size=engine.tp.size,
         expert_weights_bytes=experts,
+        kv_cache_dtype=cfg.kv_cache_dtype,
     )
 
 
@@ -168,6 +175,7 @@ def profile_activation_peak(engine) -> int:
         page,
         engine.dtype,
         engine.device,
+        engine.config.kv_cache_dtype,
     )
     pool_bytes = torch.cuda.memory_allocated() - base
     table = torch.arange(n, dtype=torch.int32, device=engine.device)[None, :]

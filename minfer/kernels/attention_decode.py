@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import attend_blocks, num_sms
+from minfer.kernels.common import attend_blocks, gather_rows, num_sms
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -47,6 +47,8 @@ def _decode_split_kernel(
     page_table_ptr,
     table_idx_ptr,
     seq_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     sm_scale_log2,
     stride_qb,
     stride_qh,
@@ -61,6 +63,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -91,6 +94,8 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
+    if KV_SCALED:  # an fp8 cache: K's scale folds into the scores, V's into the output
+        sm_scale_log2 = sm_scale_log2 * tl.load(k_scale_ptr + kv_head)
     page_row = page_table_ptr + row * stride_page_row
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
@@ -120,6 +125,8 @@ def _decode_split_kernel(
     # An empty slice (split past the end) has l_i = 0: its output is 0 and its lse -inf.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if KV_SCALED:
+        o = o * tl.load(v_scale_ptr + kv_head)
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if DIRECT_OUT:  # a single split: no merge pass
         tl.store(
@@ -195,12 +202,16 @@ def decode_attention(
     scale: float,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its cached keys [0, seq_lens[b]).
 
     q: [B, Hq, D]; k_pool, v_pool: [slots, Hk, D] (last dim contiguous); page_table: [rows, max_len]
     int32; table_idx, seq_lens: [B] int32 on the device. Returns [B, Hq, D] in q's dtype.
     `num_splits` defaults to `choose_num_splits` from static sizes (see the module docstring).
+    An fp8 pool (float8_e4m3fn) comes with k_scale, v_scale: [Hk] float32, a stored value being
+    the real one divided by its head's scale (KVPool's format).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
@@ -231,6 +242,8 @@ def decode_attention(
         page_table,
         table_idx,
         seq_lens,
+        k_scale if k_scale is not None else seq_lens,
+        v_scale if v_scale is not None else seq_lens,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -245,6 +258,7 @@ def decode_attention(
         GROUP=group,
         HEAD_DIM=head_dim,
         DIRECT_OUT=num_splits == 1,
+        KV_SCALED=k_scale is not None,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=BLOCK_N,
@@ -276,14 +290,17 @@ def decode_attention_reference(
     table_idx: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same computation in plain torch, request by request, accumulated in fp32."""
+    """The same computation in plain torch, request by request, accumulated in fp32; an fp8
+    pool is dequantized first, as KVPool.gather does."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_pool.shape[1]
     for b, (row, seq) in enumerate(zip(table_idx.tolist(), seq_lens.tolist())):
         slots = page_table[row, :seq].long()
-        k = k_pool[slots].float().repeat_interleave(group, dim=1)  # [S, Hq, D]
-        v = v_pool[slots].float().repeat_interleave(group, dim=1)
+        k = gather_rows(k_pool, slots, k_scale, q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = gather_rows(v_pool, slots, v_scale, q.dtype).repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,shd->hs", q[b].float(), k) * scale
         out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), v).to(q.dtype)
     return out

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import attend_blocks
+from minfer.kernels.common import attend_blocks, gather_rows
 
 LOG2E = 1.4426950408889634
 # GPU launch configuration; scripts/gpu_check.py --sweep times alternatives. On an H200 in bf16
@@ -42,6 +42,8 @@ def _extend_kernel(
     prefix_lens_ptr,
     seq_lens_ptr,
     cu_extend_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     sm_scale_log2,
     stride_qt,
     stride_qh,
@@ -54,6 +56,7 @@ def _extend_kernel(
     stride_page_row,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -88,6 +91,8 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    if KV_SCALED:  # an fp8 cache: K's scale folds into the scores, V's into the output
+        sm_scale_log2 = sm_scale_log2 * tl.load(k_scale_ptr + kv_head)
     page_row = page_table_ptr + row * stride_page_row
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
@@ -141,6 +146,8 @@ def _extend_kernel(
     )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_SCALED:
+        o = o * tl.load(v_scale_ptr + kv_head)
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty),
@@ -160,12 +167,15 @@ def extend_attention(
     max_extend_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its keys [0, seq_lens[b]).
 
     q: [T, Hq, D] (last dim contiguous); k_pool, v_pool: [slots, Hk, D]; page_table: [rows, max_len]
     int32; table_idx, prefix_lens, seq_lens: [B] int32 and cu_extend_lens: [B + 1] int32, all on
     the device; max_extend_len: the longest extend of the batch (CPU int, sizes the grid).
+    An fp8 pool comes with k_scale, v_scale ([Hk] float32; see decode_attention).
     Returns [T, Hq, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -192,6 +202,8 @@ def extend_attention(
         prefix_lens,
         seq_lens,
         cu_extend_lens,
+        k_scale if k_scale is not None else seq_lens,
+        v_scale if v_scale is not None else seq_lens,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -204,6 +216,7 @@ def extend_attention(
         page_table.stride(0),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
+        KV_SCALED=k_scale is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -222,16 +235,19 @@ def extend_attention_reference(
     prefix_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same computation in plain torch, request by request, in fp32."""
+    """The same computation in plain torch, request by request, in fp32 (an fp8 pool is
+    dequantized first, as KVPool.gather does)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_pool.shape[1]
     start = 0
     for row, prefix, seq in zip(table_idx.tolist(), prefix_lens.tolist(), seq_lens.tolist()):
         extend = seq - prefix
         slots = page_table[row, :seq].long()
-        k = k_pool[slots].float().repeat_interleave(group, dim=1)  # [S, Hq, D]
-        v = v_pool[slots].float().repeat_interleave(group, dim=1)
+        k = gather_rows(k_pool, slots, k_scale, q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = gather_rows(v_pool, slots, v_scale, q.dtype).repeat_interleave(group, dim=1)
         scores = torch.einsum("ehd,shd->hes", q[start : start + extend].float(), k) * scale
         visible = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)

@@ -37,6 +37,42 @@ def dot(a, b):
         return tl.dot(a, b)
 
 
+# The largest finite float8_e4m3fn (the format has no infinity). A constexpr: compiled (not
+# interpreted) kernels may read a module global only in that form.
+FP8_MAX = tl.constexpr(448.0)
+
+
+def gather_rows(pool: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype):
+    """Pool rows at `slots` ([S, Hk, D]) as float32, for the torch references: an fp8 pool
+    times its per-head scales and rounded to the compute dtype (what KVPool.gather returns),
+    any other pool as stored. fp8 rows are indexed as bytes: not every torch build indexes
+    float8 tensors on every device."""
+    if scale is None:
+        return pool[slots].float()
+    rows = pool.view(torch.uint8)[slots].view(pool.dtype)
+    return (rows.float() * scale[:, None]).to(dtype).float()
+
+
+@triton.jit
+def to_fp8(x, scale):
+    """x / scale as float8_e4m3fn, saturated at +-448 and rounded to nearest even, as torch's
+    `(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)` rounds (KVPool.store).
+
+    Triton 3.9's interpreter rounds fp32 -> fp8 wrongly (a mantissa carry into the exponent is
+    dropped: 1.98 becomes 1.0, seen on ~2.5% of random values, and subnormals are flushed), so
+    under the interpreter the value is first rounded to the e4m3 grid in fp32, which it then
+    casts exactly. On the GPU the hardware conversion is used."""
+    y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+    if INTERPRET:
+        # normal range: keep 3 of fp32's 23 mantissa bits, ties to even
+        bits = y.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        # subnormals (|y| < 2^-6) are multiples of 2^-9: the ulp of fp32 values in [2^14, 2^15)
+        tiny = (tl.abs(y) + 24576.0) - 24576.0
+        y = tl.where(tl.abs(y) < 0.015625, tl.where(y < 0, -tiny, tiny), normal)
+    return y.to(tl.float8e4nv)
+
+
 @triton.jit
 def attend_blocks(
     q,
@@ -74,7 +110,11 @@ def attend_blocks(
         else:
             slots = tl.load(page_row + pos).to(tl.int64)
             kv_mask = d_mask[None, :]
-        k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        # An fp8 cache is widened to q's dtype here (exact); its scales are applied by the caller
+        # to the scores and the output, once per program rather than once per element.
+        k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0).to(
+            q.dtype
+        )
         scores = dot(q, tl.trans(k)) * sm_scale_log2
         if MASKED:
             visible = n_mask[None, :]
@@ -85,7 +125,9 @@ def attend_blocks(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0).to(
+            q.dtype
+        )
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
         m_i = m_new
     return m_i, l_i, acc

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minfer.kernels.common import to_fp8
+
 
 @triton.jit
 def _norm_rope_heads(
@@ -71,6 +73,8 @@ def _rope_store_kernel(
     k_pool_ptr,
     v_pool_ptr,
     out_loc_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     eps,
     stride_qt,
     stride_qh,
@@ -87,6 +91,7 @@ def _rope_store_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -136,13 +141,22 @@ def _rope_store_kernel(
         BLOCK_HALF,
     )
     k_slot = k_pool_ptr + slot * stride_kps + offs_h[:, None] * stride_kph + offs_d[None, :]
-    tl.store(k_slot, k1.to(k_pool_ptr.dtype.element_ty), mask=mask)
-    tl.store(k_slot + HALF, k2.to(k_pool_ptr.dtype.element_ty), mask=mask)
-
     v_row = v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
     v_slot = v_pool_ptr + slot * stride_vps + offs_h[:, None] * stride_vph + offs_d[None, :]
-    tl.store(v_slot, tl.load(v_row, mask=mask).to(v_pool_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_slot + HALF, tl.load(v_row + HALF, mask=mask).to(v_pool_ptr.dtype.element_ty), mask=mask)
+    v1 = tl.load(v_row, mask=mask)
+    v2 = tl.load(v_row + HALF, mask=mask)
+    if KV_SCALED:  # an fp8 pool: value / its head's scale, as KVPool.store quantizes
+        k_scale = tl.load(k_scale_ptr + offs_h, mask=offs_h < NUM_KV_HEADS, other=1.0)[:, None]
+        v_scale = tl.load(v_scale_ptr + offs_h, mask=offs_h < NUM_KV_HEADS, other=1.0)[:, None]
+        tl.store(k_slot, to_fp8(k1, k_scale), mask=mask)
+        tl.store(k_slot + HALF, to_fp8(k2, k_scale), mask=mask)
+        tl.store(v_slot, to_fp8(v1, v_scale), mask=mask)
+        tl.store(v_slot + HALF, to_fp8(v2, v_scale), mask=mask)
+    else:
+        tl.store(k_slot, k1.to(k_pool_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_slot + HALF, k2.to(k_pool_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_slot, v1.to(v_pool_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_slot + HALF, v2.to(v_pool_ptr.dtype.element_ty), mask=mask)
 
 
 def rope_store(
@@ -157,6 +171,8 @@ def rope_store(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Normalise (when norm weights are given) and rotate q and k, rotate q in place, write the
     rotated k and v to `out_loc` of the pools. Returns q.
@@ -164,7 +180,8 @@ def rope_store(
     q: [T, Hq, D], k and v: [T, Hk, D], each with a contiguous last dim (views into a fused qkv
     output are fine) and one dtype; positions: [T] int; cos_sin_cache: [max_positions, D] with
     cos in the first half of each row (RotaryEmbedding.cos_sin); pools: [slots, Hk, D];
-    out_loc: [T] distinct slots; norm weights: [D] (both or neither).
+    out_loc: [T] distinct slots; norm weights: [D] (both or neither). fp8 pools (float8_e4m3fn)
+    need k_scale, v_scale: [Hk] float32; k and v are stored divided by them, saturated at +-448.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -178,6 +195,9 @@ def rope_store(
         )
     if cos_sin_cache.shape[-1] != head_dim or head_dim % 2:
         raise ValueError(f"cos_sin_cache rows hold {cos_sin_cache.shape[-1]} values, head dim is {head_dim}")
+    quantized = k_pool.dtype == torch.float8_e4m3fn
+    if quantized != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError("fp8 pools need k_scale and v_scale, other pools neither")
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q and k norm weights, or neither")
     for name, t in (
@@ -205,6 +225,8 @@ def rope_store(
         k_pool,
         v_pool,
         out_loc,
+        k_scale if quantized else cos_sin_cache,
+        v_scale if quantized else cos_sin_cache,
         eps,
         q.stride(0),
         q.stride(1),
@@ -221,6 +243,7 @@ def rope_store(
         NUM_KV_HEADS=num_kv_heads,
         HALF=half,
         HAS_NORM=has_norm,
+        KV_SCALED=quantized,
         BLOCK_QH=triton.next_power_of_2(num_q_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),

@@ -4,12 +4,38 @@ from __future__ import annotations
 
 import torch
 
+# --kv-cache-dtype: "auto" stores K/V in the compute dtype; "fp8_e4m3" (vLLM's and SGLang's name)
+# stores float8_e4m3fn, one byte per value, with a float32 scale per layer and kv head.
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: e4m3fn has no infinity, so store() clamps
+
+
+def kv_storage_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The element type the pool holds for a --kv-cache-dtype value."""
+    return KV_CACHE_DTYPES.get(kv_cache_dtype, compute_dtype)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, Hk, D] / scale [Hk] -> float8_e4m3fn, saturating at +-448 (the cast alone gives NaN)."""
+    return (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of quantize_fp8, in `dtype` (what the Triton kernels compute in registers)."""
+    return (x.float() * scale[:, None]).to(dtype)
+
 
 class KVPool:
     """Per-layer K/V storage of shape [num_slots + page_size, num_kv_heads, head_dim].
 
     The last page (slots num_slots .. num_slots + page_size - 1) is never handed out: padded
     rows of a CUDA-graph batch write their K/V there, so they cannot corrupt a real request.
+
+    With an fp8 cache, `k_scale` / `v_scale` ([num_layers, num_kv_heads] float32) are static:
+    a slot holds value / scale, and a scale that changed later would silently re-scale every
+    entry written before it (cached prefixes included). They are 1.0 unless set_scales() is
+    called before the first store (vLLM's default without calibrated scales is also 1.0);
+    docs/MEMORY.md records what calibrated scales changed on the default model.
     """
 
     def __init__(
@@ -21,23 +47,43 @@ class KVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_cache_dtype: str = "auto",
     ):
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scratch_slot = num_slots
+        self.dtype = dtype  # what gather() returns and attention computes in
+        self.storage_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
+        self.quantized = self.storage_dtype != dtype
         shape = (num_slots + page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.zeros(shape, dtype=self.storage_dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.storage_dtype, device=device) for _ in range(num_layers)]
+        self.k_scale = torch.ones((num_layers, num_kv_heads), dtype=torch.float32, device=device)
+        self.v_scale = torch.ones((num_layers, num_kv_heads), dtype=torch.float32, device=device)
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    ) -> int:
+        itemsize = torch.empty((), dtype=kv_storage_dtype(kv_cache_dtype, dtype)).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+
+    def set_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Static per-(layer, kv head) scales; only before anything is stored (see the class doc)."""
+        self.k_scale.copy_(k_scale)
+        self.v_scale.copy_(v_scale)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor) -> None:
         """Write step of the KV life cycle: new K/V of this pass go to their allocated slots.
         (On CUDA the model writes through the fused minfer/kernels/rope_store.py instead.)"""
+        if self.quantized:  # CPU torch has no index_copy_ for float8: copy the bytes
+            k = quantize_fp8(k, self.k_scale[layer]).view(torch.uint8)
+            v = quantize_fp8(v, self.v_scale[layer]).view(torch.uint8)
+            self.k[layer].view(torch.uint8).index_copy_(0, out_loc, k)
+            self.v[layer].view(torch.uint8).index_copy_(0, out_loc, v)
+            return
         self.k[layer].index_copy_(0, out_loc, k)
         self.v[layer].index_copy_(0, out_loc, v)
 
@@ -47,4 +93,9 @@ class KVPool:
         so a change of storage format (a low-bit cache) has one place to decode."""
         # index_select, not k[slots]: advanced indexing on CPU goes through a parallel kernel
         # whose thread wake-up costs milliseconds on a busy machine.
-        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        k, v = self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        if self.quantized:
+            return dequantize_fp8(k, self.k_scale[layer], self.dtype), dequantize_fp8(
+                v, self.v_scale[layer], self.dtype
+            )
+        return k, v

@@ -104,6 +104,7 @@ class SchedulerLoop:
             "vocab_size": engine.vocab_size,
             "device": str(engine.device),
             "dtype": str(engine.dtype),
+            "kv_cache_dtype": str(engine.kv_pool.storage_dtype),
             "max_running_requests": engine.max_running_requests,
             "max_request_tokens": self.runner.max_request_tokens,
             "eos_token_ids": sorted(engine.eos_token_ids),

@@ -63,11 +63,17 @@ def test_tp2_matches_tp1(model_dir, arch, kv_heads):
     assert got == expected
 
 
-def test_tp2_matches_tp1_under_preemption_and_chunking(model_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_tp2_matches_tp1_under_preemption_and_chunking(model_dir, kv_cache_dtype):
     """A KV pool too small for the batch and 16-token prefill chunks: the ranks' schedulers must
-    preempt and chunk alike."""
+    preempt and chunk alike (and with an fp8 cache, each rank quantizes its heads alike)."""
     path, batch = model_dir("llama", 1), prompts(n=8, longest=60, seed=1)
-    options = {"kv_cache_tokens": 160, "page_size": 4, "chunked_prefill_size": 16}
+    options = {
+        "kv_cache_tokens": 160,
+        "page_size": 4,
+        "chunked_prefill_size": 16,
+        "kv_cache_dtype": kv_cache_dtype,
+    }
     expected, reference = run(path, batch, **options)
     assert reference.scheduler.counters.preemptions > 0
     got, llm = run(path, batch, tp=2, **options)

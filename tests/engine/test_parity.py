@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from greedy_parity import assert_greedy_parity, near_tie_gap
 from tiny_models import hf_greedy
 
 from minfer import LLM, SamplingParams
@@ -32,8 +33,9 @@ def test_greedy_matches_transformers(tiny_model, page_size, overlap):
     outs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
     )
-    for out, exp in zip(outs, expected):
-        assert out.token_ids == exp
+    for prompt, out, exp in zip(prompts, outs, expected):
+        # identical, or first apart at a float near-tie of the reference (tests/greedy_parity.py)
+        assert_greedy_parity(hf, prompt, out.token_ids, exp, near_tie_gap(llm.engine.dtype))
         assert out.finish_reason == "length"
     # Every slot went back to the allocator (the naive part) or the prefix cache.
     kv = llm.scheduler.kv

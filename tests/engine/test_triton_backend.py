@@ -19,22 +19,25 @@ SCRIPT = textwrap.dedent("""
     import sys
     from tiny_models import save_tiny_model
     from minfer import LLM, SamplingParams
-    arch, path, page_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    arch, path, page_size, kv_cache_dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     save_tiny_model(arch, path)
     prompts = [[1, 2, 3, 4, 5], list(range(40)), [7] * 9, [200, 3]]
     p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(path, attention_backend=backend, kv_cache_tokens=512, chunked_prefill_size=16,
-                  page_size=page_size)
+                  page_size=page_size, kv_cache_dtype=kv_cache_dtype)
         outs[backend] = [o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
     print(outs)
     sys.exit(0 if outs["torch"] == outs["triton"] else 1)
 """)
 
 
-@pytest.mark.parametrize("arch,page_size", [("qwen3", 1), ("llama", 16)])
-def test_triton_matches_torch_greedy(tmp_path, arch, page_size):
+# fp8_e4m3: both backends read the same fp8 pool (torch through KVPool.gather, Triton in registers)
+@pytest.mark.parametrize(
+    "arch,page_size,kv_cache_dtype", [("qwen3", 1, "auto"), ("llama", 16, "auto"), ("qwen3", 16, "fp8_e4m3")]
+)
+def test_triton_matches_torch_greedy(tmp_path, arch, page_size, kv_cache_dtype):
     env = dict(
         os.environ,
         TRITON_INTERPRET="1",
@@ -43,7 +46,7 @@ def test_triton_matches_torch_greedy(tmp_path, arch, page_size):
         ),
     )
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, arch, str(tmp_path), str(page_size)],
+        [sys.executable, "-c", SCRIPT, arch, str(tmp_path), str(page_size), kv_cache_dtype],
         env=env,
         capture_output=True,
         text=True,

@@ -30,15 +30,17 @@ def _free_or_cached(llm) -> bool:
     return kv.allocator.num_free_pages + kv.prefix_cache.cached_pages == kv.num_pages
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_tiny_pool_preempts_and_evicts_but_matches_huge_pool(model_path, page_size):
+# fp8_e4m3: cached prefixes and recomputed (preempted) requests read what a fresh run reads
+@pytest.mark.parametrize("page_size,kv_cache_dtype", [(1, "auto"), (4, "auto"), (4, "fp8_e4m3")])
+def test_tiny_pool_preempts_and_evicts_but_matches_huge_pool(model_path, page_size, kv_cache_dtype):
     prompts = _shared_prefix_prompts(24)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    reference = LLM(model_path, kv_cache_tokens=8192, cache="naive", page_size=page_size)
+    kv = dict(page_size=page_size, kv_cache_dtype=kv_cache_dtype)
+    reference = LLM(model_path, kv_cache_tokens=8192, cache="naive", **kv)
     expected = [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
 
     # 160 slots: far too few for 24 requests of ~55-90 tokens each.
-    small = LLM(model_path, kv_cache_tokens=160, page_size=page_size, chunked_prefill_size=64)
+    small = LLM(model_path, kv_cache_tokens=160, chunked_prefill_size=64, **kv)
     got = [o.token_ids for o in small.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     sched = small.scheduler

@@ -64,11 +64,13 @@ def test_seed_scenario_13_token_prompt(tiny_llama, tmp_path, overlap):
     assert main(["trace", "check", str(path)]) == 0
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_mixed_run_passes_check(tiny_llama, tmp_path, overlap, page_size, capsys):
+@pytest.mark.parametrize(
+    "overlap,page_size,kv_cache_dtype",
+    [(True, 1, "auto"), (True, 4, "auto"), (False, 1, "auto"), (False, 4, "auto"), (True, 4, "fp8_e4m3")],
+)
+def test_mixed_run_passes_check(tiny_llama, tmp_path, overlap, page_size, kv_cache_dtype, capsys):
     """Many concurrent requests with chunked prefill, prefix hits, stop tokens, an abort and
-    preemption (a 128-token pool): every request passes."""
+    preemption (a 128-token pool): every request passes (an fp8 cache changes none of it)."""
     path = tmp_path / "mixed.jsonl"
     llm = traced_llm(
         tiny_llama,
@@ -77,6 +79,7 @@ def test_mixed_run_passes_check(tiny_llama, tmp_path, overlap, page_size, capsys
         chunked_prefill_size=16,
         page_size=page_size,
         disable_overlap_schedule=not overlap,
+        kv_cache_dtype=kv_cache_dtype,
     )
     ran = run_mixed_workload(llm)
     events = finish_trace(llm, path)

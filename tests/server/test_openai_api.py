@@ -96,6 +96,7 @@ def test_models_health_info(server, client):
     assert info["max_model_len"] == 4096
     assert info["memory"]["kv_pool_tokens"] == 16384
     assert info["memory_line"].startswith("memory:")
+    assert info["kv_cache_dtype"] == info["dtype"] and info["engine_config"]["kv_cache_dtype"] == "auto"
     assert info["kv_pool"]["total_pages"] == 16384
     assert "minfer: serving 'tiny' on http://127.0.0.1:" in server.output()
     assert info["memory_line"] in server.output()
