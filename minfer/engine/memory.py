@@ -37,11 +37,27 @@ class MemoryBudget:
     overridden: bool  # kv_pool_tokens came from --kv-cache-tokens
     graph_measured_bytes: int = 0  # what capturing the graphs actually took (after start-up)
     tp_size: int = 1  # with TP: per-rank figures, and the pool is the least any rank affords
+    host_kv_tokens: int = 0  # the host KV tier (--host-kv-cache-gb); 0: off
+    host_kv_bytes: int = 0
+    host_available_bytes: int = 0  # host RAM still available once the tier is allocated
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def describe(self, max_model_len: int) -> str:
+        return self._describe_device(max_model_len) + self._describe_host()
+
+    def _describe_host(self) -> str:
+        if not self.host_kv_tokens:
+            return ""
+        where = "pinned host memory" if self.device == "cuda" else "host memory"
+        return (
+            f"; host KV tier {self.host_kv_bytes / GiB:.2f} GiB of {where} = {self.host_kv_tokens} tokens "
+            f"({self.host_kv_tokens / max(1, self.kv_pool_tokens):.1f}x the device pool), "
+            f"{self.host_available_bytes / GiB:.2f} GiB host RAM left available"
+        )
+
+    def _describe_device(self, max_model_len: int) -> str:
         full = self.kv_pool_tokens // max_model_len
         kv_gib = self.kv_pool_tokens * self.kv_bytes_per_token / GiB
         if self.device == "cpu" or self.overridden:
