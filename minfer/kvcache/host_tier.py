@@ -25,9 +25,7 @@ import torch
 
 from minfer.kvcache.host_pool import HostKVPool
 from minfer.kvcache.pool import KVPool
-
-# Load-time histogram buckets, seconds: a page of a small model on CPU to GBs over PCIe.
-LOAD_SECONDS_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+from minfer.observability.metric_names import HOST_LOAD_BUCKETS
 
 
 @dataclass
@@ -41,12 +39,12 @@ class HostTierCounters:
     tokens_offloaded: int = 0
     loads: int = 0  # loads whose time is known (finished)
     load_seconds_sum: float = 0.0
-    load_seconds_buckets: list[int] = field(default_factory=lambda: [0] * len(LOAD_SECONDS_BUCKETS))
+    load_seconds_buckets: list[int] = field(default_factory=lambda: [0] * len(HOST_LOAD_BUCKETS))
 
     def observe_load(self, seconds: float) -> None:
         self.loads += 1
         self.load_seconds_sum += seconds
-        for i, bound in enumerate(LOAD_SECONDS_BUCKETS):
+        for i, bound in enumerate(HOST_LOAD_BUCKETS):
             if seconds <= bound:
                 self.load_seconds_buckets[i] += 1
 
