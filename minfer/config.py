@@ -312,7 +312,9 @@ def validate_values(cfg) -> None:
                 limit = f">= {low:g}" if high == float("inf") else f"in [{low:g}, {high:g}]"
                 raise ConfigError(f"--{f.name.replace('_', '-')}={value} must be {limit}")
     if getattr(cfg, "host_kv_cache_gb", 0) and cfg.cache != "radix":
-        raise ConfigError("--host-kv-cache-gb needs --cache radix (the host tier sits behind the radix cache)")
+        raise ConfigError(
+            "--host-kv-cache-gb needs --cache radix (the host tier sits behind the radix cache)"
+        )
     if getattr(cfg, "host_kv_cache_gb", 0) and cfg.tp > 1:
         # Each rank's scheduler would see its own loads finish at its own moment, and TP ranks
         # must schedule alike.

@@ -16,7 +16,16 @@ from minfer.kvcache.prefix_cache import CacheCounters, KVInvariantError, PrefixM
 
 
 class _Node:
-    __slots__ = ("children", "host_slots", "last_access", "loading", "lock_count", "parent", "slots", "token_ids")
+    __slots__ = (
+        "children",
+        "host_slots",
+        "last_access",
+        "loading",
+        "lock_count",
+        "parent",
+        "slots",
+        "token_ids",
+    )
 
     def __init__(self, parent: _Node | None, token_ids: list[int], slots: list[int], last_access: int):
         self.parent = parent

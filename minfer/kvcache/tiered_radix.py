@@ -94,7 +94,9 @@ class TieredRadixCache(RadixCache):
             for node in loaded:
                 node.loading = load
                 if self.trace.enabled:
-                    self.trace.kv_loaded(node.slots, node.host_slots, self._path_tokens(node), len(node.slots))
+                    self.trace.kv_loaded(
+                        node.slots, node.host_slots, self._path_tokens(node), len(node.slots)
+                    )
         return on_device
 
     def _adopt(self, path: list[_Node], slots: list[int]) -> None:
@@ -232,7 +234,7 @@ class TieredRadixCache(RadixCache):
         the device. Returns the device pages, as RadixCache.audit does."""
         pages = super().audit(handles)
         ps = self.page_size
-        owner: dict[int, str] = {p: "the host free list" for p in self.host_allocator.free_page_ids}
+        owner: dict[int, str] = dict.fromkeys(self.host_allocator.free_page_ids, "the host free list")
         if len(owner) != self.host_allocator.num_free_pages:
             raise KVInvariantError("a host page is on the host free list twice")
         held = 0
@@ -255,7 +257,9 @@ class TieredRadixCache(RadixCache):
                 owner[page] = "a radix node"
                 held += 1
         if held != self.host_pages:
-            raise KVInvariantError(f"radix nodes hold {held} host pages but the tree counts {self.host_pages}")
+            raise KVInvariantError(
+                f"radix nodes hold {held} host pages but the tree counts {self.host_pages}"
+            )
         if len(owner) != self.host_allocator.num_pages:
             raise KVInvariantError(
                 f"{self.host_allocator.num_pages - len(owner)} host pages are owned by no one"

@@ -214,7 +214,6 @@ class _SchedulerCollector:
             yield from host_tier_families(s, names)
 
 
-
 class ServerMetrics:
     """The api server's registry and what it observes per request.
 

@@ -104,7 +104,14 @@ def model_path(tmp_path_factory):
 def converse(model_path, params_of, trace=None, **options):
     """Every conversation's rounds in turn; returns outputs, each round's (prefix hit tokens,
     whole-history tokens), and the LLM."""
-    llm = LLM(model_path, page_size=PS, log_level="warning", check_kv_invariants=True, trace_requests=trace, **options)
+    llm = LLM(
+        model_path,
+        page_size=PS,
+        log_level="warning",
+        check_kv_invariants=True,
+        trace_requests=trace,
+        **options,
+    )
     history = [[(11 * c + j) % 256 for j in range(TURN)] for c in range(CONVERSATIONS)]
     outputs, rounds = [], []
     counters = llm.scheduler.kv.prefix_cache.counters

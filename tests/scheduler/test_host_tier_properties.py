@@ -15,7 +15,9 @@ from minfer import LLM, SamplingParams
 
 MAX_TOKENS = 8
 SYSTEMS = [[(17 * i + k) % 256 for i in range(24)] for k in (1, 2)]  # shared heads: prefix hits
-PROMPTS = [SYSTEMS[k % 2][: 12 + 4 * (k % 4)] + [(k * 29 + j) % 256 for j in range(2 + 5 * k)] for k in range(6)]
+PROMPTS = [
+    SYSTEMS[k % 2][: 12 + 4 * (k % 4)] + [(k * 29 + j) % 256 for j in range(2 + 5 * k)] for k in range(6)
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +31,20 @@ def model_path(tmp_path_factory):
 
 @functools.cache
 def solo_output(model_path: str, prompt_idx: int) -> tuple[int, ...]:
-    llm = LLM(model_path, kv_cache_tokens=1024, cache="naive", disable_overlap_schedule=True, log_level="warning")
+    llm = LLM(
+        model_path, kv_cache_tokens=1024, cache="naive", disable_overlap_schedule=True, log_level="warning"
+    )
     out = llm.generate(
-        [PROMPTS[prompt_idx]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
+        [PROMPTS[prompt_idx]],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
     )
     return tuple(out[0].token_ids)
 
 
-add = st.tuples(st.just("add"), st.integers(0, len(PROMPTS) - 1), st.integers(1, MAX_TOKENS), st.integers(1, 2))
+add = st.tuples(
+    st.just("add"), st.integers(0, len(PROMPTS) - 1), st.integers(1, MAX_TOKENS), st.integers(1, 2)
+)
 step = st.tuples(st.just("step"), st.integers(1, 4))
 abort = st.tuples(st.sampled_from(["abort", "abort_in_flight"]), st.integers(0, 1000))
 evict = st.tuples(st.sampled_from(["evict", "evict_host"]), st.integers(1, 16))
@@ -79,7 +87,9 @@ def test_random_ops_keep_both_tiers_exact(model_path, options, ops):
             if op[0] == "abort":
                 unfinished = [uid for uid, (req, *_) in live.items() if not req.finished]
             else:
-                unfinished = [r.uid for r in (sched.in_flight[0].reqs if sched.in_flight else []) if not r.finished]
+                unfinished = [
+                    r.uid for r in (sched.in_flight[0].reqs if sched.in_flight else []) if not r.finished
+                ]
             if unfinished:
                 uid = unfinished[op[1] % len(unfinished)]
                 assert sched.abort(uid) is not None
@@ -96,7 +106,9 @@ def test_random_ops_keep_both_tiers_exact(model_path, options, ops):
         if uid in aborted:
             assert req.finish_reason == "abort"
             continue
-        assert req.output_ids == list(solo_output(model_path, idx)[:max_tokens]), f"request {uid} (prompt {idx})"
+        assert req.output_ids == list(solo_output(model_path, idx)[:max_tokens]), (
+            f"request {uid} (prompt {idx})"
+        )
     kv = sched.kv
     assert kv.used_pages == 0 and not sched.by_uid
     host = kv.host_tier.host.allocator

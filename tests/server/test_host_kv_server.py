@@ -12,7 +12,16 @@ from server_harness import Server
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    args = ["--kv-cache-tokens", "256", "--page-size", "16", "--host-kv-cache-gb", "0.05", "--log-level", "warning"]
+    args = [
+        "--kv-cache-tokens",
+        "256",
+        "--page-size",
+        "16",
+        "--host-kv-cache-gb",
+        "0.05",
+        "--log-level",
+        "warning",
+    ]
     srv = Server(args, tmp_path_factory.mktemp("hostkv") / "server.log", env={"OMP_NUM_THREADS": "1"})
     yield srv
     srv.stop()
@@ -44,14 +53,21 @@ def test_metrics_count_offloads_and_loads(server):
     prompts = [f"Write a long, detailed and friendly letter about {t}, " * 6 for t in topics]
     first = {}
     for p in prompts:  # five ~100-token prompts through a 256-token device pool: evictions
-        first[p] = client.completions.create(model=model, prompt=p, max_tokens=4, temperature=0).choices[0].text
+        first[p] = (
+            client.completions.create(model=model, prompt=p, max_tokens=4, temperature=0).choices[0].text
+        )
     before = metrics(server.url)
     assert before["minfer:host_cache_bytes_offloaded_total"] > 0
     again = client.completions.create(model=model, prompt=prompts[0], max_tokens=4, temperature=0)
     assert again.choices[0].text == first[prompts[0]]
     after = metrics(server.url)
     assert after["minfer:host_cache_hits_total"] == before["minfer:host_cache_hits_total"] + 1
-    assert after["minfer:host_cache_tokens_loaded_total"] >= 64 + before["minfer:host_cache_tokens_loaded_total"]
+    assert (
+        after["minfer:host_cache_tokens_loaded_total"] >= 64 + before["minfer:host_cache_tokens_loaded_total"]
+    )
     assert after["minfer:host_cache_bytes_loaded_total"] > before["minfer:host_cache_bytes_loaded_total"]
     assert after["minfer:host_cache_load_seconds_count"] >= 1
-    assert after["minfer:host_cache_load_seconds_bucket{le=+Inf}"] == after["minfer:host_cache_load_seconds_count"]
+    assert (
+        after["minfer:host_cache_load_seconds_bucket{le=+Inf}"]
+        == after["minfer:host_cache_load_seconds_count"]
+    )

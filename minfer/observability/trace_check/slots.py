@@ -96,7 +96,9 @@ def replay_slots(slot_events: list[tuple[int, str, int, int]], requests: dict[in
             if holder is not None or users:
                 who = f"uid {holder} holds it" if holder is not None else f"uid(s) {sorted(users)} borrow it"
                 for u in (holder, *(users or ())):
-                    error(index, u, f"slot {slot} {kind.replace('cache_', '')}ed by the host tier while {who}")
+                    error(
+                        index, u, f"slot {slot} {kind.replace('cache_', '')}ed by the host tier while {who}"
+                    )
             if kind == "cache_load":
                 cached.add(slot)
             else:
