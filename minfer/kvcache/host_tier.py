@@ -38,6 +38,7 @@ class HostTierCounters:
     bytes_offloaded: int = 0
     tokens_offloaded: int = 0
     loads: int = 0  # loads whose time is known (finished)
+    load_waits: int = 0  # times a request was passed over because its load was still in flight
     load_seconds_sum: float = 0.0
     load_seconds_buckets: list[int] = field(default_factory=lambda: [0] * len(HOST_LOAD_BUCKETS))
 
@@ -119,6 +120,7 @@ class HostTier:
         if load is None:
             return True
         if not load.end.query():
+            self.counters.load_waits += 1
             return False
         self._observe(load)
         return True
