@@ -220,6 +220,7 @@ FLAG_ALIASES: dict[str, tuple[str, str]] = {
     "--tokenizer-path": ("tokenizer", "SGLang"),
     "--download-dir": ("download_dir", "vLLM; minfer's own name too"),
     "--random-seed": ("seed", "SGLang"),
+    "--kv-offloading-size": ("host_kv_cache_gb", "vLLM; GiB of host memory for the offloaded KV cache"),
 }
 
 
