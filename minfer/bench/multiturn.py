@@ -19,9 +19,6 @@ import argparse
 import random
 import time
 
-import numpy as np
-import torch
-
 from minfer.config import EngineConfig
 from minfer.core import SamplingParams
 
@@ -37,8 +34,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the random turns")
 
 
-def copy_bandwidth(device: torch.device, num_bytes: int = 256 << 20) -> float:
+def copy_bandwidth(device, num_bytes: int = 256 << 20) -> float:
     """Host -> device copy bandwidth, bytes/s: pinned memory to the GPU on CUDA, a host memcpy on CPU."""
+    import torch  # here: the CLI's parser imports this module, and must not load torch
+
     cuda = device.type == "cuda"
     src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=cuda)
     dst = torch.empty(num_bytes, dtype=torch.uint8, device=device)
@@ -65,6 +64,8 @@ def run_round(sched, prompts: list[list[int]], params: SamplingParams) -> tuple[
 
 
 def run_multiturn_bench(config: EngineConfig, args: argparse.Namespace) -> int:
+    import numpy as np
+
     from minfer import LLM
 
     if (
