@@ -169,59 +169,10 @@ def test_multiturn_concurrent_outputs_unchanged(model_path):
 
 
 # -- the asynchronous path, on CPU ---------------------------------------------------------------
-class DeferredLoadTier(HostTier):
-    """A CPU stand-in for the CUDA load stream: a load's copy happens only when it lands, after
-    it has been polled in flight a few times (or when an eviction waits for it), and loads land
-    in issue order as on one stream. A request run before its load landed would read stale
-    pages, so equal outputs show the scheduler really waits, and eviction really settles."""
-
-    POLLS_IN_FLIGHT = 3
-
-    def __init__(self, device_pool, host_pool):
-        super().__init__(device_pool, host_pool)
-        self.in_flight: list[list] = []  # [seq, polls left, copy or None]
-
-    def load(self, host_slots, device_slots):
-        c = self.counters
-        c.hits += 1
-        c.tokens_loaded += len(host_slots)
-        c.bytes_loaded += len(host_slots) * self.host.bytes_per_token
-        # Until the copy lands the pages hold what a half-done copy might: garbage.
-        index = torch.tensor(device_slots)
-        for t in (*self.device_pool.k, *self.device_pool.v):
-            t.index_fill_(0, index, 1e4)
-        self._seq += 1
-        load = [
-            self._seq,
-            self.POLLS_IN_FLIGHT,
-            lambda: self._copy(self.host, self.device_pool, host_slots, device_slots),
-        ]
-        self.in_flight.append(load)
-        return type("Load", (), {"seq": self._seq, "state": load})()
-
-    def done(self, load) -> bool:
-        if load is None or load.state[2] is None:
-            return True
-        if load.state[1] > 0:
-            load.state[1] -= 1
-            self.counters.load_waits += 1
-            return False
-        self._land(load.state[0])
-        return True
-
-    def wait(self, load) -> None:
-        if load is not None:
-            self._land(load.seq)
-
-    def _land(self, seq: int) -> None:
-        for state in [s for s in self.in_flight if s[0] <= seq]:
-            state[2]()
-            state[2] = None
-            self.in_flight.remove(state)
-
-
 @pytest.mark.parametrize("max_running", [1, 3])
 def test_requests_wait_for_loads_in_flight(model_path, monkeypatch, max_running):
+    from deferred_load_tier import DeferredLoadTier
+
     import minfer.scheduler.scheduler as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "HostTier", DeferredLoadTier)
@@ -234,5 +185,31 @@ def test_requests_wait_for_loads_in_flight(model_path, monkeypatch, max_running)
         host_kv_cache_gb=0.01,
     )
     tier = llm.scheduler.kv.host_tier
-    assert isinstance(tier, DeferredLoadTier) and tier.counters.load_waits > 0
+    assert type(tier).__name__ == "DeferredLoadTier" and tier.counters.load_waits > 0
     assert got == want
+
+
+def test_evicting_a_node_whose_load_is_in_flight_waits_for_it():
+    """A request that hit the host tier ends before its load lands (aborted while waiting): a
+    device eviction of those pages must let the copy finish first, or it lands on their next owner."""
+    from deferred_load_tier import DeferredLoadTier
+
+    pool = KVPool(2, 4 * PS, 2, 8, PS, torch.float32, torch.device("cpu"))
+    cache = TieredRadixCache(
+        PageAllocator(4, PS), DeferredLoadTier(pool, HostKVPool(pool, 8 * PS, PS, pin=False))
+    )
+    tokens = list(range(8))
+    slots = [p * PS + i for p in cache.allocator.alloc(2) for i in range(PS)]
+    cache.insert(tokens, slots, None)
+    cache.evict(2)
+    match = cache.match(tokens + [99])
+    assert match.load is not None and not cache.tier.done(match.load)  # in flight
+    cache.release(match.handle)  # its request went away
+    assert cache.evict(4) == 2  # drops the device copy (the host keeps one)
+    reused = [p * PS + i for p in cache.allocator.alloc(4) for i in range(PS)]
+    fill(pool, reused, seed=3)  # the pages' next owner writes them
+    want = rows(pool, reused)
+    cache.tier._land(10**9)  # whatever was still in flight lands now
+    assert all(torch.equal(a, b) for a, b in zip(rows(pool, reused), want))
+    cache.allocator.free(cache.allocator.pages_of_slots(reused))
+    cache.audit([])

@@ -57,6 +57,8 @@ engine_options = st.fixed_dictionaries(
         # Host pools of 32 or 512 tokens (the tiny model's K/V is 512 B/token): a full host tier
         # drops nodes for good, a roomy one keeps everything.
         "host_kv_cache_gb": st.sampled_from([32 * 512 / (1 << 30), 512 * 512 / (1 << 30)]),
+        # Loads in flight (tests/deferred_load_tier.py): requests wait for them, evictions settle them.
+        "deferred_loads": st.booleans(),
     }
 )
 
@@ -66,7 +68,16 @@ engine_options = st.fixed_dictionaries(
     options=engine_options,
     ops=st.lists(st.one_of(add, add, add, step, step, abort, evict, evict), min_size=8, max_size=40),
 )
-def test_random_ops_keep_both_tiers_exact(model_path, options, ops):
+def test_random_ops_keep_both_tiers_exact(model_path, monkeypatch, options, ops):
+    from deferred_load_tier import DeferredLoadTier
+
+    import minfer.scheduler.scheduler as scheduler_module
+    from minfer.kvcache.host_tier import HostTier
+
+    options = dict(options)
+    monkeypatch.setattr(
+        scheduler_module, "HostTier", DeferredLoadTier if options.pop("deferred_loads") else HostTier
+    )
     llm = LLM(model_path, check_kv_invariants=True, log_level="warning", **options)
     sched = llm.scheduler
     cache = sched.kv.prefix_cache
