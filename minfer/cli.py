@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     from minfer.bench import shared_prefix
 
     shared_prefix.add_workload_args(shared)
+    multiturn = _engine_parser(
+        bench_sub, "multiturn", "multi-turn conversations outgrowing the device KV pool (host KV tier)"
+    )
+    from minfer.bench import multiturn as multiturn_bench
+
+    multiturn_bench.add_workload_args(multiturn)
     _bench_serve_parser(bench_sub)
     from minfer.observability.trace_cli import add_trace_parser
 
@@ -175,6 +181,10 @@ def _run(args: argparse.Namespace) -> int:
         from minfer.bench.shared_prefix import run_shared_prefix_bench
 
         return run_shared_prefix_bench(engine_cfg, args)
+    if args.bench_command == "multiturn":
+        from minfer.bench.multiturn import run_multiturn_bench
+
+        return run_multiturn_bench(engine_cfg, args)
     from minfer.bench.offline import run_offline_bench
 
     return run_offline_bench(engine_cfg, args)

@@ -90,6 +90,12 @@ class EngineConfig:
         "float32 scale per layer and kv head (half the bytes of bf16, twice the tokens; docs/MEMORY.md)",
         ("auto", "fp8_e4m3"),
     )
+    host_kv_cache_gb: float = _opt(
+        0.0,
+        "GiB of host memory (pinned on CUDA) for a second KV cache tier behind the radix prefix cache: "
+        "prefixes evicted from the device pool are written back there and loaded again on a hit "
+        "(0: off; needs --cache radix; docs/MEMORY.md sizes it)",
+    )
     mem_fraction: float = _opt(0.90, "fraction of total device memory minfer may use (CUDA)")
     max_running_requests: int | None = _opt(
         None,
@@ -220,6 +226,7 @@ FLAG_ALIASES: dict[str, tuple[str, str]] = {
     "--tokenizer-path": ("tokenizer", "SGLang"),
     "--download-dir": ("download_dir", "vLLM; minfer's own name too"),
     "--random-seed": ("seed", "SGLang"),
+    "--kv-offloading-size": ("host_kv_cache_gb", "vLLM; GiB of host memory for the offloaded KV cache"),
 }
 
 
@@ -284,6 +291,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "page_size": (1, float("inf")),
     "kv_cache_tokens": (1, float("inf")),
     "mem_fraction": (0.01, 1.0),
+    "host_kv_cache_gb": (0, float("inf")),
     "max_running_requests": (1, float("inf")),
     "max_queued_requests": (0, float("inf")),
     "chunked_prefill_size": (1, float("inf")),
@@ -310,6 +318,14 @@ def validate_values(cfg) -> None:
             if not low <= value <= high:
                 limit = f">= {low:g}" if high == float("inf") else f"in [{low:g}, {high:g}]"
                 raise ConfigError(f"--{f.name.replace('_', '-')}={value} must be {limit}")
+    if getattr(cfg, "host_kv_cache_gb", 0) and cfg.cache != "radix":
+        raise ConfigError(
+            "--host-kv-cache-gb needs --cache radix (the host tier sits behind the radix cache)"
+        )
+    if getattr(cfg, "host_kv_cache_gb", 0) and cfg.tp > 1:
+        # Each rank's scheduler would see its own loads finish at its own moment, and TP ranks
+        # must schedule alike.
+        raise ConfigError("--host-kv-cache-gb works with --tp 1 only")
     if getattr(cfg, "quantization", None) not in (None, "none"):
         raise ConfigError(
             f"--quantization {cfg.quantization}: minfer cannot run quantized weights; it computes in "

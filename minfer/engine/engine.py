@@ -19,6 +19,7 @@ from minfer.distributed.parallel import SINGLE, TPGroup
 from minfer.engine.logprobs import LogprobTensors, reduce_logprobs, rows_of
 from minfer.engine.memory import MemoryBudget, plan_memory
 from minfer.engine.sample_step import sample_step
+from minfer.kvcache.host_pool import HostKVPool, host_available_bytes
 from minfer.kvcache.page_table import PageTable
 from minfer.kvcache.pool import KVPool
 from minfer.models.llama import head_dim_of
@@ -186,6 +187,14 @@ class Engine:
             self.device,
             config.kv_cache_dtype,
         )
+        self.host_kv_pool: HostKVPool | None = None  # the second KV tier, behind the radix cache
+        if config.host_kv_cache_gb > 0:
+            self.host_kv_pool = HostKVPool.sized(
+                self.kv_pool, config.host_kv_cache_gb, page, pin=self.device.type == "cuda"
+            )
+            self.memory.host_kv_tokens = self.host_kv_pool.num_slots
+            self.memory.host_kv_bytes = self.host_kv_pool.num_bytes
+            self.memory.host_available_bytes = host_available_bytes()
         self.page_table = PageTable(self.max_running_requests, self.max_model_len, self.device)
         self.page_table.point_padding_row_at(self.kv_pool.scratch_slot)
         self.graphs = None

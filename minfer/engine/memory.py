@@ -40,6 +40,9 @@ class MemoryBudget:
     tp_size: int = 1  # with TP: per-rank figures, and the pool is the least any rank affords
     expert_weights_bytes: int = 0  # the part of weights_bytes in mixture-of-experts experts
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype: fp8_e4m3 halves kv_bytes_per_token
+    host_kv_tokens: int = 0  # the host KV tier (--host-kv-cache-gb); 0: off
+    host_kv_bytes: int = 0
+    host_available_bytes: int = 0  # host RAM still available once the tier is allocated
 
     @property
     def weights_text(self) -> str:
@@ -57,6 +60,19 @@ class MemoryBudget:
         return f" ({self.kv_cache_dtype})" if self.kv_cache_dtype != "auto" else ""
 
     def describe(self, max_model_len: int) -> str:
+        return self._describe_device(max_model_len) + self._describe_host()
+
+    def _describe_host(self) -> str:
+        if not self.host_kv_tokens:
+            return ""
+        where = "pinned host memory" if self.device == "cuda" else "host memory"
+        return (
+            f"; host KV tier {self.host_kv_bytes / GiB:.2f} GiB of {where} = {self.host_kv_tokens} tokens "
+            f"({self.host_kv_tokens / max(1, self.kv_pool_tokens):.1f}x the device pool), "
+            f"{self.host_available_bytes / GiB:.2f} GiB host RAM left available"
+        )
+
+    def _describe_device(self, max_model_len: int) -> str:
         full = self.kv_pool_tokens // max_model_len
         kv_gib = self.kv_pool_tokens * self.kv_bytes_per_token / GiB
         if self.device == "cpu" or self.overridden:

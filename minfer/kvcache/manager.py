@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from minfer.core import Req
 from minfer.kvcache.allocator import OutOfSlotsError, PageAllocator
+from minfer.kvcache.host_tier import HostTier
 from minfer.kvcache.page_table import PageTable
 from minfer.kvcache.prefix_cache import KVInvariantError, NaiveCache, PrefixCache
 
@@ -18,14 +19,28 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class KVManager:
-    def __init__(self, num_slots: int, page_size: int, page_table: PageTable, cache: str = "naive"):
+    def __init__(
+        self,
+        num_slots: int,
+        page_size: int,
+        page_table: PageTable,
+        cache: str = "naive",
+        host_tier: HostTier | None = None,
+    ):
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         self.allocator = PageAllocator(self.num_pages, page_size)
         self.page_table = page_table
+        self.host_tier = host_tier
+        # uid -> a host-tier load into the request's prefix still in flight (CUDA only)
+        self.loads: dict[int, object] = {}
         self.prefix_cache: PrefixCache = self._make_cache(cache)
 
     def _make_cache(self, kind: str) -> PrefixCache:
+        if kind == "radix" and self.host_tier is not None:
+            from minfer.kvcache.tiered_radix import TieredRadixCache
+
+            return TieredRadixCache(self.allocator, self.host_tier)
         if kind == "radix":
             try:
                 from minfer.kvcache.radix import RadixCache
@@ -67,6 +82,8 @@ class KVManager:
         req.cache_handle = match.handle
         req.cached_len = len(match.slots)
         req.shared_len = len(match.slots) if match.handle is not None else 0
+        if match.load is not None:
+            self.loads[req.uid] = match.load
         if match.slots:
             n = len(match.slots)
             self.page_table.write_slots([req.table_idx] * n, list(range(n)), match.slots)
@@ -82,17 +99,29 @@ class KVManager:
         query counters, so a prefix query is counted once, when the request really starts).
         """
         cache = self.prefix_cache
-        evictable_before = cache.evictable_pages
+        # Available pages, not only evictable ones: a hit on the host tier takes free pages too.
+        available_before = self.available_pages
         counted = (cache.counters.queried_tokens, cache.counters.hit_tokens)
         self.admit(req)
         chunk = min(req.extend_len, max_chunk)
-        cost = evictable_before - cache.evictable_pages + self.pages_needed(req, chunk) + reserve_pages
+        cost = available_before - self.available_pages + self.pages_needed(req, chunk) + reserve_pages
         if cost > free_pages:
             self.release(req)
             req.cached_len = 0
             cache.counters.queried_tokens, cache.counters.hit_tokens = counted
             return None
         return chunk, cost
+
+    def load_ready(self, req: Req) -> bool:
+        """False while a host-tier load into the request's prefix is in flight: it waits, the
+        rest of the batch runs (never blocks)."""
+        load = self.loads.get(req.uid)
+        if load is None:
+            return True
+        if not self.host_tier.done(load):
+            return False
+        del self.loads[req.uid]
+        return True
 
     def allocate(self, reqs: list[Req], extend_lens: list[int]) -> list[int]:
         """Allocate slots for each request's next `extend_lens[i]` positions; returns out_loc.
@@ -173,6 +202,7 @@ class KVManager:
         req.cached_len = keep
         req.cache_handle = None
         req.shared_len = 0
+        self.loads.pop(req.uid, None)  # the nodes wait for their own load before an eviction
         self.page_table.give_back_row(req.table_idx)
         req.table_idx = -1
         return slots  # every slot the request held, for the trace: [:aligned] cached, rest freed

@@ -21,10 +21,12 @@ class KVInvariantError(RuntimeError):
 
 @dataclass
 class PrefixMatch:
-    """`slots` hold K/V of the first `len(slots)` tokens; `handle` locks them while in use."""
+    """`slots` hold K/V of the first `len(slots)` tokens; `handle` locks them while in use.
+    `load`: a host-tier copy into some of those slots still in flight (CUDA), else None."""
 
     slots: list[int]
     handle: object | None
+    load: object | None = None
 
 
 @dataclass

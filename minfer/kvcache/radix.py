@@ -16,14 +16,25 @@ from minfer.kvcache.prefix_cache import CacheCounters, KVInvariantError, PrefixM
 
 
 class _Node:
-    __slots__ = ("children", "last_access", "lock_count", "parent", "slots", "token_ids")
+    __slots__ = (
+        "children",
+        "host_slots",
+        "last_access",
+        "loading",
+        "lock_count",
+        "parent",
+        "slots",
+        "token_ids",
+    )
 
     def __init__(self, parent: _Node | None, token_ids: list[int], slots: list[int], last_access: int):
         self.parent = parent
         # Keyed by the edge's first page of token ids: siblings always differ there.
         self.children: dict[tuple[int, ...], _Node] = {}
         self.token_ids = token_ids
-        self.slots = slots
+        self.slots = slots  # device slots; empty while the node lives on the host tier only
+        self.host_slots: list[int] = []  # host-tier slots (tiered_radix.py); empty: not on the host
+        self.loading = None  # a host->device copy into `slots` still in flight (CUDA)
         self.lock_count = 0
         self.last_access = last_access
 
@@ -121,10 +132,21 @@ class RadixCache:
         pages, evictable, seen = [], 0, 0
         for node in self._nodes():
             seen += 1
-            if not node.slots or len(node.slots) != len(node.token_ids) or len(node.slots) % ps:
+            if not node.token_ids or len(node.token_ids) % ps or not (node.slots or node.host_slots):
                 raise KVInvariantError(
-                    f"a radix node holds {len(node.token_ids)} tokens and "
-                    f"{len(node.slots)} slots (page size {ps})"
+                    f"a radix node holds {len(node.token_ids)} tokens, {len(node.slots)} device and "
+                    f"{len(node.host_slots)} host slots (page size {ps})"
+                )
+            if node.lock_count != expected_locks.get(id(node), 0):
+                raise KVInvariantError(
+                    f"a radix node has lock count {node.lock_count} but "
+                    f"{expected_locks.get(id(node), 0)} requests hold it"
+                )
+            if not node.slots:  # on the host tier only: tiered_radix.py audits its pages
+                continue
+            if len(node.slots) != len(node.token_ids):
+                raise KVInvariantError(
+                    f"a radix node holds {len(node.token_ids)} tokens and {len(node.slots)} slots"
                 )
             node_pages = self.allocator.pages_of_slots(node.slots)
             for i, page in enumerate(node_pages):
@@ -132,11 +154,6 @@ class RadixCache:
                     raise KVInvariantError(
                         f"radix node slots {node.slots[i * ps : (i + 1) * ps]} are not page {page}"
                     )
-            if node.lock_count != expected_locks.get(id(node), 0):
-                raise KVInvariantError(
-                    f"a radix node has lock count {node.lock_count} but "
-                    f"{expected_locks.get(id(node), 0)} requests hold it"
-                )
             if node.lock_count == 0:
                 evictable += len(node_pages)
             pages.extend(node_pages)
@@ -217,6 +234,8 @@ class RadixCache:
         # Every lock on `node` runs through `upper` to the root, so it inherits the count;
         # the locked/unlocked split of pages is unchanged, as is evictable_pages.
         upper.lock_count = node.lock_count
+        upper.loading = node.loading
+        upper.host_slots, node.host_slots = node.host_slots[:at], node.host_slots[at:]
         node.parent.children[tuple(upper.token_ids[: self.page_size])] = upper
         node.token_ids, node.slots = node.token_ids[at:], node.slots[at:]
         upper.children[tuple(node.token_ids[: self.page_size])] = node
@@ -233,6 +252,7 @@ class RadixCache:
             )
         token_ids, slots = list(token_ids), [int(s) for s in slots]
         path = self._walk(token_ids)
+        self._adopt(path, slots)
         tree_slots = [s for node in path for s in node.slots]
         matched = len(tree_slots)
         # The caller holds K/V for the part already cached. Pages it borrowed through `match`
@@ -254,6 +274,10 @@ class RadixCache:
             tree_slots += leaf.slots
             node = leaf
         return node, tree_slots
+
+    def _adopt(self, path: list[_Node], slots: list[int]) -> None:
+        """Hook of the host tier: give nodes on `path` that live on the host only the caller's
+        device pages for the same tokens. The plain tree has no such nodes."""
 
     def _lock(self, node: _Node) -> None:
         while node is not self._root:

@@ -28,8 +28,9 @@ class Field:
 class EventSpec:
     """One event: its name, the process writing it, when, and its fields beyond the common ones.
 
-    `replayed` is False for events the checker only validates against the schema: `kv_pool`
-    (the pool's geometry) and `prompt_cached` (repointings the replay infers from `kv_released`).
+    `replayed` is False for events the per-request replay does not read: `kv_pool` (the pool's
+    geometry), `prompt_cached` (repointings the replay infers from `kv_released`), and the host
+    tier's `kv_offloaded` / `kv_loaded` (uid -1, checked by trace_check/host_tier.py).
     """
 
     name: str
@@ -177,6 +178,30 @@ KV_RELEASED = EventSpec(
         Field("cached_len", "what the request keeps as its `cached_len`"),
     ),
 )
+_TRANSFER_FIELDS = (
+    Field("device", "device slots of the node's pages, `[start, end)` ranges in position order"),
+    Field("host", "host-tier slots of the same positions, `[start, end)` ranges"),
+    Field(
+        "digests",
+        "per page, a digest of every token id from position 0 through that page: K/V of a page "
+        "depends on the whole prefix before it",
+    ),
+)
+KV_OFFLOADED = EventSpec(
+    "kv_offloaded",
+    SCHEDULER,
+    "(uid -1) the device pool evicted a prefix-cache node and wrote it back to the host tier",
+    _TRANSFER_FIELDS,
+    replayed=False,
+)
+KV_LOADED = EventSpec(
+    "kv_loaded",
+    SCHEDULER,
+    "(uid -1) a prefix hit on the host tier copied a node into fresh device pages, before the "
+    "`prefix_matched` of the request that hit it",
+    _TRANSFER_FIELDS,
+    replayed=False,
+)
 FINISHED = EventSpec(
     "finished", SCHEDULER, "the request ended", (Field("reason", "`stop` or `length`"), *_END_FIELDS)
 )
@@ -204,6 +229,8 @@ EVENTS: tuple[EventSpec, ...] = (
     TOKEN_SAMPLED,
     PREEMPTED,
     KV_RELEASED,
+    KV_OFFLOADED,
+    KV_LOADED,
     FINISHED,
     ABORTED,
 )

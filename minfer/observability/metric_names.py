@@ -11,6 +11,8 @@ from __future__ import annotations
 
 METRIC_PREFIXES = ("minfer", "vllm")
 
+# Host KV tier load time, seconds: from one small page on CPU to gigabytes over PCIe.
+HOST_LOAD_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 TTFT_BUCKETS = (
     0.001,
     0.005,

@@ -22,6 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from minfer.observability.host_tier_metrics import host_tier_families, host_tier_stats
 from minfer.observability.metric_names import (
     FINISH_REASONS,
     ITL_BUCKETS,
@@ -44,7 +45,9 @@ def scheduler_stats(scheduler) -> dict:
     """
     kv, c = scheduler.kv, scheduler.counters
     cache = kv.prefix_cache.counters
+    host = kv.host_tier.counters if getattr(kv, "host_tier", None) is not None else None
     return {
+        **(host_tier_stats(host) if host is not None else {}),
         "running": len(scheduler.running) + len(scheduler.prefilling),
         "prefilling": len(scheduler.prefilling),
         "waiting": len(scheduler.waiting),
@@ -207,6 +210,8 @@ class _SchedulerCollector:
         )
         for name, key, doc in counters:
             yield _family(CounterMetricFamily, names, name, doc, s.get(key, 0))
+        if "host_cache_hits" in s:  # only with --host-kv-cache-gb
+            yield from host_tier_families(s, names)
 
 
 class ServerMetrics:

@@ -8,6 +8,8 @@ per moment.
 
 from __future__ import annotations
 
+import hashlib
+
 from minfer.core import Batch, Req
 from minfer.observability import events as schema
 from minfer.observability.trace import RequestTracer, slot_ranges
@@ -28,6 +30,22 @@ class NullSchedulerTrace:
     def preempted(self, req: Req) -> None: ...
     def released(self, req: Req, slots: list[int], page_size: int) -> None: ...
     def ended(self, req: Req) -> None: ...
+    def kv_offloaded(self, device_slots, host_slots, prefix_tokens, node_len) -> None: ...
+    def kv_loaded(self, device_slots, host_slots, prefix_tokens, node_len) -> None: ...
+
+
+def page_digests(prefix_tokens: list[int], node_len: int, page_size: int) -> list[str]:
+    """For each page of the node ending `prefix_tokens` (its last `node_len` tokens), a digest of
+    every token id from position 0 through that page."""
+    start = len(prefix_tokens) - node_len
+    # Page by page from position 0, so a digest does not depend on where the tree's edges split.
+    h = hashlib.blake2b(digest_size=8)
+    out = []
+    for i in range(0, len(prefix_tokens), page_size):
+        h.update(str(prefix_tokens[i : i + page_size]).encode())
+        if i >= start:
+            out.append(h.copy().hexdigest())
+    return out
 
 
 class SchedulerTrace(NullSchedulerTrace):
@@ -37,8 +55,25 @@ class SchedulerTrace(NullSchedulerTrace):
 
     def __init__(self, tracer: RequestTracer):
         self.tracer = tracer
+        self.page_size = 1  # set by `pool`
+
+    def kv_offloaded(self, device_slots, host_slots, prefix_tokens, node_len) -> None:
+        self._transfer(schema.KV_OFFLOADED, device_slots, host_slots, prefix_tokens, node_len)
+
+    def kv_loaded(self, device_slots, host_slots, prefix_tokens, node_len) -> None:
+        self._transfer(schema.KV_LOADED, device_slots, host_slots, prefix_tokens, node_len)
+
+    def _transfer(self, spec, device_slots, host_slots, prefix_tokens, node_len) -> None:
+        self.tracer.emit(
+            spec,
+            -1,
+            device=slot_ranges(device_slots),
+            host=slot_ranges(host_slots),
+            digests=page_digests(prefix_tokens, node_len, self.page_size),
+        )
 
     def pool(self, num_slots: int, page_size: int) -> None:
+        self.page_size = page_size
         self.tracer.emit(schema.KV_POOL, -1, num_slots=num_slots, page_size=page_size)
 
     def queued(self, req: Req) -> None:

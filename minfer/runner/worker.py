@@ -129,6 +129,22 @@ class SchedulerLoop:
             },
             "counters": dataclasses.asdict(sched.counters),
             "stats": scheduler_stats(sched),  # what /metrics exports
+            "host_kv_pool": self._host_kv_info(),
+        }
+
+    def _host_kv_info(self) -> dict | None:
+        """The host KV tier (--host-kv-cache-gb), None when off; its size is in `memory` too."""
+        kv = self.scheduler.kv
+        if kv.host_tier is None:
+            return None
+        host = kv.host_tier.host
+        return {
+            "bytes": host.num_bytes,
+            "tokens": host.num_slots,
+            "total_pages": host.allocator.num_pages,
+            "free_pages": host.allocator.num_free_pages,
+            "cached_pages": kv.prefix_cache.host_pages,
+            "pinned": kv.host_tier.cuda,
         }
 
 

@@ -46,6 +46,8 @@ class PrefillPlanner:
         for req in q.prefilling:  # requests already holding KV finish their prompts first
             if budget <= 0:
                 break
+            if not self.kv.load_ready(req):  # its prefix is still coming from the host tier
+                continue
             n = min(req.extend_len, budget)
             need = self.kv.pages_needed(req, n)
             if need > free_pages:
@@ -86,6 +88,8 @@ class PrefillPlanner:
             req.preempted = False
             free_pages -= cost
             q.prefilling.append(req)
+            if not self.kv.load_ready(req):  # joins a later batch, once its load has landed
+                continue
             reqs.append(req)
             lens.append(n)
             budget -= n

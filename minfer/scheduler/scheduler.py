@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from minfer.config import EngineConfig
 from minfer.core import Batch, FinishReason, InvalidRequestError, Phase, Req, SamplingParams
 from minfer.engine.engine import Engine, ForwardResult
+from minfer.kvcache.host_tier import HostTier
 from minfer.kvcache.manager import KVManager
 from minfer.observability.scheduler_trace import scheduler_trace
 from minfer.observability.trace import NULL_TRACER, RequestTracer
@@ -58,9 +59,16 @@ class Scheduler:
         # Free KV a running request may need before the next admission: one page each, so an
         # admitted batch does not preempt itself on its first decode step.
         self.decode_reserve_pages = 1
+        host_pool = getattr(engine, "host_kv_pool", None)
         self.kv = KVManager(
-            engine.kv_pool.num_slots, self.config.page_size, engine.page_table, self.config.cache
+            engine.kv_pool.num_slots,
+            self.config.page_size,
+            engine.page_table,
+            self.config.cache,
+            HostTier(engine.kv_pool, host_pool) if host_pool is not None else None,
         )
+        if self.trace.enabled and hasattr(self.kv.prefix_cache, "trace"):
+            self.kv.prefix_cache.trace = self.trace  # kv_offloaded / kv_loaded events
         self.queues = RequestQueues()
         self.counters = SchedulerCounters()
         self.prefill = PrefillPlanner(

@@ -22,11 +22,18 @@ def tiny_chat_llama(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def mixed_trace(tiny_llama, tmp_path_factory) -> str:
-    """The path of a trace of `run_mixed_workload` (overlap on, page size 1, 128-token pool)."""
+    """The path of a trace of `run_mixed_workload` (overlap on, page size 1, 128-token pool, and
+    a host KV tier of 2048 tokens behind it, so evictions and hits move pages between tiers)."""
     from trace_workloads import finish_trace, run_mixed_workload, traced_llm
 
     path = tmp_path_factory.mktemp("mixed") / "mixed.jsonl"
-    llm = traced_llm(tiny_llama, path, kv_cache_tokens=128, chunked_prefill_size=16)
+    llm = traced_llm(
+        tiny_llama,
+        path,
+        kv_cache_tokens=128,
+        chunked_prefill_size=16,
+        host_kv_cache_gb=2048 * 512 / (1 << 30),
+    )
     run_mixed_workload(llm)
     finish_trace(llm, path)
     return str(path)

@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minfer.observability import events as schema
+from minfer.observability.trace_check.host_tier import EVENTS as HOST_TIER_EVENTS
+from minfer.observability.trace_check.host_tier import HostTierReplay
 from minfer.observability.trace_check.request import RequestCheck, fmt_state
 from minfer.observability.trace_check.stream import SchedulerStream
 
@@ -58,11 +60,14 @@ class TraceReport:
 def check_events(events: list[dict]) -> TraceReport:
     """Replay a trace (events in file order) and return every violation found."""
     streams: dict[int, SchedulerStream] = {}
+    host_tiers: dict[int, HostTierReplay] = {}
     frontend: list[tuple[int, dict]] = []
     errors: list[str] = []
     for index, event in enumerate(events, 1):
         errors += [f"event #{index}: {e}" for e in schema.schema_errors(event)]
         name = event.get("event")
+        if name in HOST_TIER_EVENTS:
+            host_tiers.setdefault(event.get("pid"), HostTierReplay()).feed(index, event)
         if name in FRONTEND_EVENTS:
             frontend.append((index, event))
         elif name in REPLAYED_EVENTS:
@@ -76,6 +81,10 @@ def check_events(events: list[dict]) -> TraceReport:
             stream.feed(index, event)
     requests: list[RequestCheck] = []
     slot_events: list[tuple[int, str, int, int]] = []
+    for pid, tier in host_tiers.items():
+        errors += [f"scheduler pid {pid}: {e}" for e in tier.errors]
+        if pid in streams:  # the tier's cache_load / cache_evict join that process's slot replay
+            streams[pid].slot_events += tier.slot_events
     for stream in streams.values():
         requests += stream.finish(len(events))
         errors += [f"scheduler pid {stream.pid}: {e}" for e in stream.errors]

@@ -75,7 +75,8 @@ def replay_slots(slot_events: list[tuple[int, str, int, int]], requests: dict[in
     A slot is free, held by one live request (allocated, not released), or in the prefix
     cache (released as cached, or a prompt cached while its request runs), where any
     number of requests may borrow it. Allocating a cached slot means the cache evicted it,
-    which is legal only while nobody borrows it.
+    which is legal only while nobody borrows it. The host tier's `cache_evict` (an offload) and
+    `cache_load` (uid -1) move a slot out of and into the cache under the same rules.
     """
     owner: dict[int, int] = {}  # slot -> uid holding it
     shareable: set[int] = set()  # held slots whose prompt is in the cache already
@@ -91,7 +92,18 @@ def replay_slots(slot_events: list[tuple[int, str, int, int]], requests: dict[in
     for index, kind, slot, uid in slot_events:
         holder = owner.get(slot)
         users = borrowers.get(slot)
-        if kind == "alloc":
+        if kind in ("cache_evict", "cache_load"):
+            if holder is not None or users:
+                who = f"uid {holder} holds it" if holder is not None else f"uid(s) {sorted(users)} borrow it"
+                for u in (holder, *(users or ())):
+                    error(
+                        index, u, f"slot {slot} {kind.replace('cache_', '')}ed by the host tier while {who}"
+                    )
+            if kind == "cache_load":
+                cached.add(slot)
+            else:
+                cached.discard(slot)
+        elif kind == "alloc":
             if holder is not None:
                 error(index, uid, f"slot {slot} allocated while uid {holder} holds it")
                 error(index, holder, f"its slot {slot} was allocated to uid {uid}")

@@ -1,0 +1,126 @@
+"""Property test of the two-tier page invariant: random add / step / abort / device eviction /
+host eviction with the host KV tier on. After every operation every device page and every host
+page is owned exactly once (KVManager.check -> TieredRadixCache.audit); at the end every greedy
+output is the one its prompt gets alone."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minfer import LLM, SamplingParams
+
+MAX_TOKENS = 8
+SYSTEMS = [[(17 * i + k) % 256 for i in range(24)] for k in (1, 2)]  # shared heads: prefix hits
+PROMPTS = [
+    SYSTEMS[k % 2][: 12 + 4 * (k % 4)] + [(k * 29 + j) % 256 for j in range(2 + 5 * k)] for k in range(6)
+]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    from tiny_models import save_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-host-props")
+    save_tiny_model("qwen2", path)
+    return str(path)
+
+
+@functools.cache
+def solo_output(model_path: str, prompt_idx: int) -> tuple[int, ...]:
+    llm = LLM(
+        model_path, kv_cache_tokens=1024, cache="naive", disable_overlap_schedule=True, log_level="warning"
+    )
+    out = llm.generate(
+        [PROMPTS[prompt_idx]],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
+    return tuple(out[0].token_ids)
+
+
+add = st.tuples(
+    st.just("add"), st.integers(0, len(PROMPTS) - 1), st.integers(1, MAX_TOKENS), st.integers(1, 2)
+)
+step = st.tuples(st.just("step"), st.integers(1, 4))
+abort = st.tuples(st.sampled_from(["abort", "abort_in_flight"]), st.integers(0, 1000))
+evict = st.tuples(st.sampled_from(["evict", "evict_host"]), st.integers(1, 16))
+engine_options = st.fixed_dictionaries(
+    {
+        "disable_overlap_schedule": st.booleans(),
+        "page_size": st.sampled_from([1, 2, 4]),
+        "chunked_prefill_size": st.sampled_from([8, 64]),
+        "kv_cache_tokens": st.sampled_from([64, 96]),  # small: evictions and preemption
+        # Host pools of 32 or 512 tokens (the tiny model's K/V is 512 B/token): a full host tier
+        # drops nodes for good, a roomy one keeps everything.
+        "host_kv_cache_gb": st.sampled_from([32 * 512 / (1 << 30), 512 * 512 / (1 << 30)]),
+        # Loads in flight (tests/deferred_load_tier.py): requests wait for them, evictions settle them.
+        "deferred_loads": st.booleans(),
+    }
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    options=engine_options,
+    ops=st.lists(st.one_of(add, add, add, step, step, abort, evict, evict), min_size=8, max_size=40),
+)
+def test_random_ops_keep_both_tiers_exact(model_path, monkeypatch, options, ops):
+    from deferred_load_tier import DeferredLoadTier
+
+    import minfer.scheduler.scheduler as scheduler_module
+    from minfer.kvcache.host_tier import HostTier
+
+    options = dict(options)
+    monkeypatch.setattr(
+        scheduler_module, "HostTier", DeferredLoadTier if options.pop("deferred_loads") else HostTier
+    )
+    llm = LLM(model_path, check_kv_invariants=True, log_level="warning", **options)
+    sched = llm.scheduler
+    cache = sched.kv.prefix_cache
+    live: dict[int, tuple] = {}  # uid -> (req, prompt index, max_tokens)
+    aborted: set[int] = set()
+    for op in ops:
+        if op[0] == "add":
+            _, idx, max_tokens, copies = op
+            for _ in range(copies):
+                req = sched.add_request(
+                    PROMPTS[idx], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                )
+                live[req.uid] = (req, idx, max_tokens)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                sched.step()
+        elif op[0] in ("abort", "abort_in_flight"):
+            if op[0] == "abort":
+                unfinished = [uid for uid, (req, *_) in live.items() if not req.finished]
+            else:
+                unfinished = [
+                    r.uid for r in (sched.in_flight[0].reqs if sched.in_flight else []) if not r.finished
+                ]
+            if unfinished:
+                uid = unfinished[op[1] % len(unfinished)]
+                assert sched.abort(uid) is not None
+                aborted.add(uid)
+        elif op[0] == "evict":
+            cache.evict(op[1])
+        else:
+            cache.evict_host(op[1])
+        sched.check_invariants()
+    while sched.has_work:
+        sched.step()
+    sched.check_invariants()
+    for uid, (req, idx, max_tokens) in live.items():
+        if uid in aborted:
+            assert req.finish_reason == "abort"
+            continue
+        assert req.output_ids == list(solo_output(model_path, idx)[:max_tokens]), (
+            f"request {uid} (prompt {idx})"
+        )
+    kv = sched.kv
+    assert kv.used_pages == 0 and not sched.by_uid
+    host = kv.host_tier.host.allocator
+    assert host.num_free_pages + cache.host_pages == host.num_pages
