@@ -155,7 +155,14 @@ class Engine:
 
         memory_before = _device_memory_in_use(self.device)
         self.model = build_model(
-            self.source, self.hf_config, self.dtype, self.device, tp, self.max_model_len, config.seed
+            self.source,
+            self.hf_config,
+            self.dtype,
+            self.device,
+            tp,
+            self.max_model_len,
+            config.seed,
+            config.quantization,
         )
         self.tokenizer = load_tokenizer(self.source) if tp.rank == 0 else None
         self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
