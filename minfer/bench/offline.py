@@ -15,6 +15,7 @@ from minfer.bench.floor import H200, measure_host_card, workload_floor
 from minfer.bench.workloads import nano_vllm_draw
 from minfer.config import EngineConfig
 from minfer.core import SamplingParams
+from minfer.models.quantize import decode_weight_bytes
 
 WORKLOAD_ARGS = ("num_requests", "input_len", "output_len", "bench_seed")
 
@@ -76,7 +77,7 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     floor = workload_floor(
         card,
         num_params * engine.tp.size,
-        engine.memory.weights_bytes * engine.tp.size,
+        decode_weight_bytes(engine.model, engine.memory.weights_bytes) * engine.tp.size,
         engine.kv_bytes_per_token * engine.tp.size,
         [len(p) for p in prompts],
         [p.max_tokens for p in params],
@@ -84,6 +85,7 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     mean_bs = c.decode_batch_total / max(c.decode_steps, 1)
     print(
         f"model {engine.source.name} ({engine.source.load_format}, {engine.dtype}, {engine.device}, "
+        f"quantization {engine.config.quantization or 'none'}, "
         f"attention {engine.backend.name})"
     )
     print(f"requests {len(prompts)}, prompt tokens {sum(map(len, prompts))}, output tokens {output_tokens}")

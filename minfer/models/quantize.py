@@ -110,3 +110,13 @@ def _from_gguf(name: str, weight: torch.Tensor, blocks: dict) -> LowBitWeight | 
     # The float matrix already holds these blocks dequantized (the default load path), so
     # prefill stays bit-identical to --quantization none.
     return int4_from_blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "mins")))
+
+
+def decode_weight_bytes(model: nn.Module, float_bytes: int) -> int:
+    """Bytes of weights one decode step reads: `float_bytes` (all parameters) with each low-bit
+    layer's float matrix replaced by its packed form (the float copy serves prefill only)."""
+    for _, layer in linear_layers(model):
+        if layer.low_bit is not None:
+            weight = layer.weight
+            float_bytes += layer.low_bit.nbytes - weight.numel() * weight.element_size()
+    return float_bytes

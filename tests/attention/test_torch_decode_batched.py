@@ -3,6 +3,7 @@ per-request loop, which the parity tests tie to transformers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from minfer.attention.base import ForwardContext, build_metadata
@@ -10,10 +11,10 @@ from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.kvcache.pool import KVPool
 
 
-def test_batched_decode_matches_per_request_loop():
+@pytest.mark.parametrize("seq_lens", [[1, 37, 5, 120, 64], [77]])
+def test_batched_decode_matches_per_request_loop(seq_lens):
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads, head_dim, num_slots = 9, 3, 16, 400
-    seq_lens = [1, 37, 5, 120, 64]
     pool = KVPool(2, num_slots, num_kv_heads, head_dim, 1, torch.float32, torch.device("cpu"))
     for layer in range(2):
         pool.k[layer].normal_(generator=gen)
@@ -21,7 +22,7 @@ def test_batched_decode_matches_per_request_loop():
     # Rows of a shuffled slot order (as pages of finished requests come back), plus stale
     # entries past each sequence's end that the mask must hide.
     page_table = torch.stack([torch.randperm(num_slots, generator=gen)[:128] for _ in range(6)]).int()
-    table_idx = [4, 0, 2, 5, 1]
+    table_idx = [4, 0, 2, 5, 1][: len(seq_lens)]
     meta = build_metadata(
         table_idx, [s - 1 for s in seq_lens], [1] * len(seq_lens), page_table, True, torch.device("cpu")
     )
