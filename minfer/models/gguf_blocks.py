@@ -7,16 +7,34 @@ instead (GGML's layouts, 32 weights per block along a row):
   Q8_0  fp16 d, 32 int8                      w = d * q
 Byte j of the nibbles holds weight j in its low half and weight j + 16 in its high half.
 Rows keep the same Q/K un-permutation as the float path (whole rows move, blocks stay intact).
+The embedding and the LM head are not read (they stay float). Parsing the file costs seconds
+(GGUFReader reads every vocabulary string: 2-16 s for the default model on a busy 2-core
+machine), so the blocks are cached next to gguf.py's float32 copy, as safetensors (codes one
+byte per weight: 103 MiB for the default model), and read from there in ~0.1 s.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from minfer.models.gguf import PERMUTED_QK, _architecture, _field, _hf_name, unpermute_qk
+from minfer.models.gguf import (
+    PERMUTED_QK,
+    _architecture,
+    _field,
+    _hf_name,
+    _publish,
+    cache_dir,
+    unpermute_qk,
+)
+
+CACHE_ENTRY = "blocks-v1"  # bump the suffix when the layout below changes
+_PARTS = ("codes", "scales", "mins")
 
 BLOCK = 32
 
@@ -72,7 +90,16 @@ def read_blocks(tensor) -> GGUFBlocks | None:
 
 
 def gguf_blocks(path: str) -> dict[str, GGUFBlocks]:
-    """Hugging Face name -> blocks, for every matrix of the file stored as Q4_0, Q4_1 or Q8_0."""
+    """Hugging Face name -> blocks, for every layer matrix of the file stored as Q4_0, Q4_1 or Q8_0."""
+    cached = cache_dir(path) / CACHE_ENTRY / "blocks.safetensors"
+    if cached.exists():
+        return _read_cache(cached)
+    found = _read_file(path)
+    _publish(cache_dir(path), CACHE_ENTRY, partial(_write_cache, found))
+    return found
+
+
+def _read_file(path: str) -> dict[str, GGUFBlocks]:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
@@ -81,7 +108,7 @@ def gguf_blocks(path: str) -> dict[str, GGUFBlocks]:
     heads = {"q_proj": num_heads, "k_proj": _field(reader, f"{arch}.attention.head_count_kv", num_heads)}
     found = {}
     for tensor in reader.tensors:
-        if not tensor.name.endswith(".weight") or tensor.name == "rope_freqs.weight":
+        if not tensor.name.startswith("blk.") or not tensor.name.endswith(".weight"):
             continue
         blocks = read_blocks(tensor)
         if blocks is None:
@@ -95,3 +122,22 @@ def gguf_blocks(path: str) -> dict[str, GGUFBlocks]:
             )
         found[name] = blocks
     return found
+
+
+def _write_cache(found: dict[str, GGUFBlocks], directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"{name}.{part}": getattr(b, part) for name, b in found.items() for part in _PARTS}
+    kinds = json.dumps({name: b.kind for name, b in found.items()})
+    save_file(tensors, str(directory / "blocks.safetensors"), metadata={"kinds": kinds})
+
+
+def _read_cache(file: Path) -> dict[str, GGUFBlocks]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        kinds = json.loads(f.metadata()["kinds"])
+        return {
+            name: GGUFBlocks(kind, *(f.get_tensor(f"{name}.{part}") for part in _PARTS))
+            for name, kind in kinds.items()
+        }

@@ -33,8 +33,12 @@ def test_gguf_blocks_are_the_dequantized_weights(tmp_path, qtype):
     config, state = tiny_model("llama", tied=True)
     path = write_gguf(tmp_path / "tiny.gguf", "llama", config, state, qtype)
     floats = dict(mg.gguf_weights(path))
-    blocks = gguf_blocks(path)
-    assert set(blocks) == {n for n, t in floats.items() if t.dim() == 2}
+    blocks = gguf_blocks(path)  # parsed from the file, then cached
+    assert set(blocks) == {n for n, t in floats.items() if t.dim() == 2 and n.startswith("model.layers.")}
+    cached = gguf_blocks(path)
+    for name, b in blocks.items():
+        assert cached[name].kind == b.kind == qtype.name
+        assert all(torch.equal(getattr(cached[name], p), getattr(b, p)) for p in ("codes", "scales", "mins"))
     x = torch.randn(3, config.hidden_size)
     for name, b in blocks.items():
         want = floats[name]
