@@ -24,7 +24,7 @@ from minfer.attention.base import AttentionMetadata, ForwardContext
 class DecodePlan:
     """What every layer's decode attention of one pass shares: the batch's K/V slots
     [B, S_max] (padding points at each request's first slot, which holds real, finite K/V)
-    and the additive mask [B, 1, 1, S_max] (0 for a key, -inf for padding)."""
+    and the additive mask [B, 1, S_max] (0 for a key, -inf for padding)."""
 
     def __init__(self, meta: AttentionMetadata):
         seq_lens = meta.seq_lens.long()
@@ -36,7 +36,7 @@ class DecodePlan:
         self.slots = torch.where(visible, rows, rows[:, :1]).reshape(-1)
         self.mask = torch.zeros(visible.shape, dtype=torch.float32, device=rows.device)
         self.mask.masked_fill_(~visible, float("-inf"))
-        self.mask = self.mask.view(len(seq_lens), 1, 1, longest)
+        self.mask = self.mask.view(len(seq_lens), 1, longest)
         self.longest = longest
 
 
@@ -59,13 +59,18 @@ class TorchAttentionBackend:
         num_kv_heads = ctx.kv_pool.num_kv_heads
         group = num_heads // num_kv_heads
         k, v = ctx.kv_pool.gather(layer, plan.slots)  # [B * S, Hk, D]
-        k = k.view(batch, plan.longest, num_kv_heads, head_dim).permute(0, 2, 3, 1)  # [B, Hk, D, S]
-        v = v.view(batch, plan.longest, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hk, S, D]
-        # Each KV head serves `group` query heads: the group is the matmul's row dim (no copy of K/V).
-        qg = q.reshape(batch, num_kv_heads, group, head_dim)
-        scores = torch.matmul(qg.float(), k.float()).mul_(scale).add_(plan.mask)  # [B, Hk, G, S]
-        o = torch.matmul(scores.softmax(dim=-1), v.float())  # [B, Hk, G, D]
-        return o.reshape(batch, num_heads, head_dim).to(q.dtype)
+        k = k.view(batch, plan.longest, num_kv_heads, head_dim).float()
+        v = v.view(batch, plan.longest, num_kv_heads, head_dim).float()
+        # Each KV head serves `group` query heads: the group is the matmul's row dim (no copy
+        # of K/V). One bmm pair per KV head on [B, S, D] slices that BLAS reads in place with a
+        # row stride of Hk * D: permuting all heads into one 4-D matmul made torch copy K and V
+        # first (2.2x slower at batch 16, 320 cached tokens, 3 KV heads).
+        qg = q.reshape(batch, num_kv_heads, group, head_dim).float()
+        out = torch.empty(batch, num_kv_heads, group, head_dim, dtype=torch.float32, device=q.device)
+        for h in range(num_kv_heads):
+            scores = torch.baddbmm(plan.mask, qg[:, h], k[:, :, h].transpose(1, 2), alpha=scale)  # [B, G, S]
+            torch.bmm(scores.softmax(dim=-1), v[:, :, h], out=out[:, h])
+        return out.view(batch, num_heads, head_dim).to(q.dtype)
 
     def _per_request(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
         meta = ctx.attn
