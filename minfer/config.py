@@ -74,8 +74,8 @@ class EngineConfig:
     )
     cpu_threads: int | None = _opt(
         None,
-        "CPU only: torch threads of each process that runs the model (default: the cores in the process's "
-        "affinity, os.sched_getaffinity, divided among the tensor-parallel ranks of a node)",
+        "CPU only: torch threads of each process that runs the model (default: OMP_NUM_THREADS when set, "
+        "else the cores in the process's affinity, os.sched_getaffinity, divided among a node's TP ranks)",
     )
     trust_remote_code: bool = _opt(
         False,
