@@ -15,7 +15,6 @@ from minfer.bench.floor import H200, measure_host_card, workload_floor
 from minfer.bench.workloads import nano_vllm_draw
 from minfer.config import EngineConfig
 from minfer.core import SamplingParams
-from minfer.models.quantize import decode_weight_bytes
 
 WORKLOAD_ARGS = ("num_requests", "input_len", "output_len", "bench_seed")
 
@@ -70,6 +69,9 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     c = sched.counters
     output_tokens = sum(p.max_tokens for p in params)
     engine = llm.engine
+    # imported here: it imports torch, and the CLI parser imports this module
+    from minfer.models.quantize import decode_weight_bytes
+
     num_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
     # On CUDA the floor is the H200's (the card the figures are measured on); on a CPU, the
     # host's own measured bandwidth and GEMM rate: an H200 floor says nothing about a CPU run.
