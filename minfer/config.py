@@ -34,6 +34,10 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 CPU_DEFAULT_MAX_RUNNING_REQUESTS = 16
 
 
+# --quantization values (minfer/models/quantize.py applies them)
+QUANTIZATION_METHODS = ("none", "gguf", "int4", "int8")
+
+
 def default_max_running_requests(device_type: str) -> int:
     """The running-request cap when `max_running_requests` is not given."""
     return CPU_DEFAULT_MAX_RUNNING_REQUESTS if device_type == "cpu" else DEFAULT_MAX_RUNNING_REQUESTS
@@ -64,8 +68,14 @@ class EngineConfig:
     )
     quantization: str | None = _opt(
         None,
-        "accepted for vLLM/SGLang compatibility; minfer computes in --dtype and refuses any "
-        "quantization method (a .gguf file's weights are dequantized when loaded) (default: none)",
+        "low-bit weights for CPU decode: gguf = a .gguf file's Q4_0/Q4_1 blocks as they are, int4 / int8 = "
+        "quantize a float checkpoint's linear layers at load; none = float weights (a .gguf file is "
+        "dequantized to float32) (default: none)",
+    )
+    cpu_threads: int | None = _opt(
+        None,
+        "CPU only: torch threads of each process that runs the model (default: OMP_NUM_THREADS when set, "
+        "else the cores in the process's affinity, os.sched_getaffinity, divided among a node's TP ranks)",
     )
     trust_remote_code: bool = _opt(
         False,
@@ -288,6 +298,7 @@ def validate_choices(cfg) -> None:
 # field: (smallest, largest) allowed value; None in a field that allows None means "not set".
 _RANGES: dict[str, tuple[float, float]] = {
     "max_model_len": (1, float("inf")),
+    "cpu_threads": (1, 4096),
     "page_size": (1, float("inf")),
     "kv_cache_tokens": (1, float("inf")),
     "mem_fraction": (0.01, 1.0),
@@ -326,8 +337,9 @@ def validate_values(cfg) -> None:
         # Each rank's scheduler would see its own loads finish at its own moment, and TP ranks
         # must schedule alike.
         raise ConfigError("--host-kv-cache-gb works with --tp 1 only")
-    if getattr(cfg, "quantization", None) not in (None, "none"):
+    quantization = getattr(cfg, "quantization", None)
+    if quantization not in (None, *QUANTIZATION_METHODS):
         raise ConfigError(
-            f"--quantization {cfg.quantization}: minfer cannot run quantized weights; it computes in "
-            "--dtype (float32/bfloat16/float16), and a .gguf file's weights are dequantized when loaded"
+            f"--quantization {quantization}: minfer cannot run quantized weights of that method; "
+            f"it runs {list(QUANTIZATION_METHODS)} (a .gguf file's Q4_0/Q4_1 blocks with 'gguf')"
         )

@@ -19,3 +19,29 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def cpu_thread_count(requested: int | None, ranks_per_node: int = 1) -> int:
+    """`--cpu-threads`; else OMP_NUM_THREADS when set to a number (the user's explicit
+    choice); else the cores this process may run on (its affinity, which taskset, cgroups and
+    container limits narrow, unlike os.cpu_count) shared among the node's tensor-parallel
+    ranks. More threads than cores make them spin against each other: a 4-request decode step
+    took 583-3,093 ms instead of 94 ms with one other busy process."""
+    if requested is not None:
+        return requested
+    import os
+
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks_per_node)
+
+
+def set_cpu_threads(requested: int | None, ranks_per_node: int = 1) -> int:
+    """Set torch's intra-op threads for a process that runs the model on CPU; returns the count."""
+    threads = cpu_thread_count(requested, ranks_per_node)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return threads

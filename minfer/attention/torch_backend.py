@@ -1,22 +1,78 @@
-"""Reference attention backend in plain torch: runs on CPU and CUDA, one request at a time.
+"""Reference attention backend in plain torch: runs on CPU and CUDA.
 
 It is the yardstick the Triton kernels are checked against, so it favours obviousness
-over speed: gather the request's K/V through its page-table row, then softmax(q k^T) v in
-float32 with a causal mask shifted by the cached prefix. (Plain matmuls rather than torch's
-SDPA: on CPU, SDPA costs ~5 ms per call at decode shapes on a loaded machine.)
+over speed: gather K/V through the page table, then softmax(q k^T) v in float32 with a
+causal mask shifted by the cached prefix. (Plain matmuls rather than torch's SDPA: on CPU,
+SDPA costs ~5 ms per call at decode shapes on a loaded machine.)
+
+Prefill goes one request at a time. Decode, which on CPU runs every step for the whole
+batch, goes in one set of batched matmuls over the batch's page-table rows padded to the
+longest sequence (padding keys masked out), so its cost does not grow with Python work per
+request: the per-request loop cost ~0.1 ms per request per layer, 0.2 s per step at 64
+requests on the default model's 30 layers. Grouped-query heads share their K/V through the
+matmul's shape rather than a repeat_interleave copy (at batch 1 and 450 cached tokens that
+copy was ~60 MB per step on the default model, more than its 4-bit weights).
 """
 
 from __future__ import annotations
 
 import torch
 
-from minfer.attention.base import ForwardContext
+from minfer.attention.base import AttentionMetadata, ForwardContext
+
+
+class DecodePlan:
+    """What every layer's decode attention of one pass shares: the batch's K/V slots
+    [B, S_max] (padding points at each request's first slot, which holds real, finite K/V)
+    and the additive mask [B, 1, S_max] (0 for a key, -inf for padding)."""
+
+    def __init__(self, meta: AttentionMetadata):
+        seq_lens = meta.seq_lens.long()
+        longest = int(max(p + e for p, e in zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)))
+        rows = meta.page_table.index_select(0, meta.table_idx.long())[:, :longest].long()
+        positions = torch.arange(longest, device=rows.device)
+        visible = positions.unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, S_max]
+        self.meta = meta
+        self.slots = torch.where(visible, rows, rows[:, :1]).reshape(-1)
+        self.mask = torch.zeros(visible.shape, dtype=torch.float32, device=rows.device)
+        self.mask.masked_fill_(~visible, float("-inf"))
+        self.mask = self.mask.view(len(seq_lens), 1, longest)
+        self.longest = longest
 
 
 class TorchAttentionBackend:
     name = "torch"
 
+    def __init__(self):
+        self._plan: DecodePlan | None = None  # of the current pass, built by its first layer
+
     def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+        if ctx.attn.is_decode:
+            return self._decode(q, layer, ctx, scale)
+        return self._per_request(q, layer, ctx, scale)
+
+    def _decode(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+        if self._plan is None or self._plan.meta is not ctx.attn:
+            self._plan = DecodePlan(ctx.attn)
+        plan = self._plan
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads = ctx.kv_pool.num_kv_heads
+        group = num_heads // num_kv_heads
+        k, v = ctx.kv_pool.gather(layer, plan.slots)  # [B * S, Hk, D]
+        k = k.view(batch, plan.longest, num_kv_heads, head_dim).float()
+        v = v.view(batch, plan.longest, num_kv_heads, head_dim).float()
+        # Each KV head serves `group` query heads: the group is the matmul's row dim (no copy
+        # of K/V). One bmm pair per KV head on [B, S, D] slices that BLAS reads in place with a
+        # row stride of Hk * D: permuting all heads into one 4-D matmul made torch copy K and V
+        # first (2.2x slower at batch 16, 320 cached tokens, 3 KV heads).
+        qg = q.reshape(batch, num_kv_heads, group, head_dim).float()
+        out = torch.empty(batch, num_kv_heads, group, head_dim, dtype=torch.float32, device=q.device)
+        for h in range(num_kv_heads):
+            scores = torch.baddbmm(plan.mask, qg[:, h], k[:, :, h].transpose(1, 2), alpha=scale)  # [B, G, S]
+            torch.bmm(scores.softmax(dim=-1), v[:, :, h], out=out[:, h])
+        return out.view(batch, num_heads, head_dim).to(q.dtype)
+
+    def _per_request(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
         meta = ctx.attn
         num_heads, num_kv_heads = q.shape[1], ctx.kv_pool.num_kv_heads
         group = num_heads // num_kv_heads

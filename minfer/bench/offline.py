@@ -88,6 +88,9 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     c = sched.counters
     output_tokens = sum(p.max_tokens for p in params)
     engine = llm.engine
+    # imported here: it imports torch, and the CLI parser imports this module
+    from minfer.models.quantize import decode_weight_bytes
+
     num_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
     # On CUDA the floor is the H200's (the card the figures are measured on); on a CPU, the
     # host's own measured bandwidth and GEMM rate: an H200 floor says nothing about a CPU run.
@@ -95,7 +98,7 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     floor = workload_floor(
         card,
         num_params * engine.tp.size,
-        engine.memory.weights_bytes * engine.tp.size,
+        decode_weight_bytes(engine.model, engine.memory.weights_bytes) * engine.tp.size,
         engine.kv_bytes_per_token * engine.tp.size,
         [len(p) for p in prompts],
         [p.max_tokens for p in params],
@@ -104,6 +107,7 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     mean_bs = c.decode_batch_total / max(c.decode_steps, 1)
     print(
         f"model {engine.source.name} ({engine.source.load_format}, {engine.dtype}, {engine.device}, "
+        f"quantization {engine.config.quantization or 'none'}, "
         f"attention {engine.backend.name})"
     )
     print(f"requests {len(prompts)}, prompt tokens {sum(map(len, prompts))}, output tokens {output_tokens}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from minfer.device import set_cpu_threads
 
 # How long ranks wait for each other to show up (loading is not included: ranks meet first).
 RENDEZVOUS_TIMEOUT_S = 600
@@ -158,7 +159,7 @@ def join_tp_group(
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     else:  # ranks of a node share its cores: N ranks each using every core would thrash
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.per_node))
+        set_cpu_threads(getattr(config, "cpu_threads", None), layout.per_node)
     previous_hook = sys.excepthook
     dist.init_process_group(
         "nccl" if device_type == "cuda" else "gloo", store=store, rank=rank, world_size=config.tp

@@ -14,7 +14,7 @@ import torch
 from minfer.attention.base import ForwardContext, build_metadata
 from minfer.config import EngineConfig, default_max_running_requests
 from minfer.core import Batch, LogprobRow, Phase
-from minfer.device import to_device
+from minfer.device import set_cpu_threads, to_device
 from minfer.distributed.parallel import SINGLE, TPGroup
 from minfer.engine.logprobs import LogprobTensors, reduce_logprobs, rows_of
 from minfer.engine.memory import MemoryBudget, plan_memory
@@ -145,6 +145,8 @@ class Engine:
             if tp.size > 1:  # one GPU per rank of this node
                 self.device = torch.device("cuda", tp.local_rank)
             torch.cuda.set_device(self.device.index or 0)
+        if self.device.type == "cpu" and tp.size == 1:  # TP ranks set theirs on joining (parallel.py)
+            set_cpu_threads(config.cpu_threads)
         self.source = model_source(config)
         self.hf_config = load_hf_config(self.source)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
@@ -156,7 +158,14 @@ class Engine:
 
         memory_before = _device_memory_in_use(self.device)
         self.model = build_model(
-            self.source, self.hf_config, self.dtype, self.device, tp, self.max_model_len, config.seed
+            self.source,
+            self.hf_config,
+            self.dtype,
+            self.device,
+            tp,
+            self.max_model_len,
+            config.seed,
+            config.quantization,
         )
         self.tokenizer = load_tokenizer(self.source) if tp.rank == 0 else None
         self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)

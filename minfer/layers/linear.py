@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.distributed.parallel import SINGLE, TPGroup
+from minfer.layers.quantized_linear import LowBitWeight
 
 # Decode-sized GEMMs on CUDA go to minfer.kernels.gemm (split over K so every SM reads a slice
 # of the weights); MINFER_SMALL_GEMM=cublas keeps them on cuBLAS, for A/B measurements.
@@ -39,6 +40,9 @@ def _divide(a: int, b: int, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
+    # --quantization: the same weights in a low-bit kernel's form (minfer.models.quantize)
+    low_bit: LowBitWeight | None = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE):
         super().__init__()
         self.tp = tp
@@ -55,6 +59,9 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.low_bit is not None:
+            y = self.low_bit.matmul(x, self.weight)
+            return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias)
 
 
@@ -115,6 +122,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
+    low_bit: LowBitWeight | None = None  # as ColumnParallelLinear's
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE):
         super().__init__()
         self.tp = tp
@@ -130,5 +139,6 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight))
+        y = linear(x, self.weight) if self.low_bit is None else self.low_bit.matmul(x, self.weight)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -243,7 +243,11 @@ def build_model(
     tp: TPGroup = SINGLE,
     max_positions: int | None = None,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
+    from minfer.models.quantize import check_quantization, quantize_model
+
+    method = check_quantization(quantization, source.load_format, device.type, tp.size)
     cls = model_class_for(hf_config)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -260,6 +264,7 @@ def build_model(
         model.load_weights(with_progress(gguf_weights(source.path), model))
     else:
         model.load_weights(with_progress(safetensors_weights(source.path, sliced=tp.size > 1), model))
+    quantize_model(model, method, source.path if source.load_format == "gguf" else None)
     model.eval()
     return model
 

@@ -41,6 +41,8 @@ def test_tp_that_does_not_divide_the_heads_is_one_line(tmp_path):
         (["--mem-fraction", "1.5"], "--mem-fraction=1.5 must be in [0.01, 1]"),
         (["--kv-cache-tokens", "-1"], "--kv-cache-tokens=-1 must be >= 1"),
         (["--quantization", "awq"], "minfer cannot run quantized weights"),
+        (["--cpu-threads", "0"], "--cpu-threads=0 must be in [1, 4096]"),
+        (["--quantization", "gguf", "--device", "cpu", "qwen3-0.6b"], "needs a .gguf model"),
         (["--chat-template", "no-such-template.jinja"], "neither a file nor a Jinja template"),
         (["--tokenizer", "/no/such/tokenizer"], "is not a directory"),
     ],

@@ -1,0 +1,108 @@
+"""Low-bit weights for CPU decode: torch's weight-only int4 / int8 matmul kernels.
+
+A decode step reads every weight once per token, so on a CPU its time is the bytes of the
+weights over the memory bandwidth: SmolLM2-135M's linear layers are 425 MB as float32 and
+53 MB as 4-bit codes. The kernels are `aten._weight_int4pack_mm_for_cpu` (group-wise scale
+and zero point: w = (q - 8) * scale + zero, which holds GGUF Q4_0 and Q4_1 blocks exactly)
+and `aten._weight_int8pack_mm` (one scale per output channel).
+
+Measured on a 2-core AVX512 CPU, one thread, a 1536x576 matrix (us per call):
+  rows            1     4     16    64
+  float32 F.linear 130   243   343   686
+  int4, bf16 x    43    79    313   1216
+  int4, f32 x     1298  (the float32 path of the kernel is a slow reference loop)
+So the kernels take bfloat16 activations (their output is cast back to the model's float32),
+and only for a few rows: past `LOW_BIT_MAX_ROWS` (prefill) the kernel's cost grows with the
+rows while a float GEMM's barely does, so the layer keeps its float32 matrix for those and
+multiplies it as before. The float32 matrix holds the same weights (the dequantized blocks),
+so prefill and decode run one model; only decode's activations are rounded to bfloat16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 block length
+LOW_BIT_MAX_ROWS = 12  # rows up to which the low-bit kernel beats float32 (crossover ~14 in the table above)
+KERNEL_DTYPE = torch.bfloat16
+_INNER_K_TILES = 2  # the packing layout's K tiling; the kernel accepts 2, 4 or 8
+
+
+@dataclass
+class LowBitWeight:
+    """One linear layer's weights in a kernel's packed form ([out, in] logically)."""
+
+    kind: str  # int4 | int8
+    packed: torch.Tensor  # int4: the kernel's packed uint8; int8: [out, in] int8
+    scales: torch.Tensor  # int4: [in / GROUP_SIZE, out, 2] (scale, zero); int8: [out]
+    out_features: int
+    max_rows: int = LOW_BIT_MAX_ROWS
+
+    def matmul(self, x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """x @ W^T; `dense` is W in float, used when x has more than `max_rows` rows."""
+        rows = x.numel() // x.shape[-1]
+        if rows > self.max_rows:
+            return F.linear(x, dense)
+        flat = x.reshape(rows, x.shape[-1]).to(self.scales.dtype)
+        if self.kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.packed, self.scales)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            self.packed.numel() * self.packed.element_size()
+            + self.scales.numel() * self.scales.element_size()
+        )
+
+
+def int4_from_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype = KERNEL_DTYPE
+) -> LowBitWeight:
+    """Blocks of GROUP_SIZE codes q in [0, 15] along the input dim, each block's weights
+    scale * q + min (GGUF Q4_1; Q4_0 is min = -8 * scale). codes [out, in]; scales, mins
+    [out, in / GROUP_SIZE]."""
+    out_features, in_features = codes.shape
+    if in_features % GROUP_SIZE or scales.shape != (out_features, in_features // GROUP_SIZE):
+        raise ValueError(f"int4 blocks of {GROUP_SIZE} do not tile a [{out_features}, {in_features}] matrix")
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), _INNER_K_TILES)
+    zeros = mins + 8 * scales  # the kernel computes (q - 8) * scale + zero
+    scale_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
+    return LowBitWeight("int4", packed, scale_and_zeros, out_features)
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The float32 [out, in] matrix the blocks stand for."""
+    out_features, in_features = codes.shape
+    grouped = codes.view(out_features, -1, GROUP_SIZE).float()
+    return torch.addcmul(mins.unsqueeze(-1).float(), grouped, scales.unsqueeze(-1).float()).view(
+        out_features, in_features
+    )
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit blocks of GROUP_SIZE (as GGUF's Q4_1 does): each block's min maps to
+    code 0, its max to 15. Returns (codes, scales, mins) for `int4_from_blocks`."""
+    out_features, in_features = weight.shape
+    grouped = weight.float().view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = ((grouped - low.unsqueeze(-1)) / scales.unsqueeze(-1)).round_().clamp_(0, 15)
+    return codes.to(torch.uint8).view(out_features, in_features), scales, low
+
+
+def quantize_int8(
+    weight: torch.Tensor, dtype: torch.dtype = KERNEL_DTYPE
+) -> tuple[LowBitWeight, torch.Tensor]:
+    """Symmetric int8 with one scale per output channel; also returns the float32 matrix the
+    codes stand for (with the scale rounded to the kernel's dtype, as the kernel applies it)."""
+    scales = (weight.float().abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    scales = scales.to(dtype).float()
+    codes = (weight.float() / scales.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8)
+    low_bit = LowBitWeight("int8", codes, scales.to(dtype), weight.shape[0])
+    return low_bit, codes.float() * scales.unsqueeze(1)

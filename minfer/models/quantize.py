@@ -1,0 +1,122 @@
+"""`--quantization`: give a loaded model's linear layers low-bit weights for CPU decode.
+
+  none  float weights as loaded (a .gguf file dequantized to float32): the default
+  gguf   the .gguf file's own Q4_0 / Q4_1 blocks, exactly (Q8_0 matrices: int8 per channel)
+  int4   any checkpoint: asymmetric 4-bit blocks of 32 computed at load (as Q4_1 does)
+  int8   any checkpoint: symmetric int8, one scale per output channel
+The embedding and the LM head stay float (the head's logits feed log-probs, and bfloat16
+logits would round them by up to ~0.06 nats at logit 20). Each layer's float matrix is set to
+the weights its low-bit form stands for, so prefill (float GEMMs) and decode run one model;
+see minfer/layers/quantized_linear.py for why both forms are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from minfer.config import QUANTIZATION_METHODS, ConfigError
+from minfer.layers.linear import ColumnParallelLinear, RowParallelLinear
+from minfer.layers.quantized_linear import (
+    LowBitWeight,
+    dequantize_int4,
+    int4_from_blocks,
+    quantize_int4,
+    quantize_int8,
+)
+
+log = logging.getLogger(__name__)
+
+# a fused parameter's checkpoint matrices, in the order its rows hold them
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def check_quantization(method: str | None, load_format: str, device_type: str, tp_size: int) -> str:
+    """The method to apply, or a ConfigError naming what does not fit."""
+    method = method or "none"
+    if method == "none":
+        return method
+    if method not in QUANTIZATION_METHODS:
+        raise ConfigError(f"--quantization {method} is not one of {list(QUANTIZATION_METHODS)}")
+    if device_type != "cpu":
+        raise ConfigError(f"--quantization {method} runs on CPU only (its kernels are torch's CPU ones)")
+    if tp_size > 1:
+        raise ConfigError(f"--quantization {method} needs --tp 1")
+    if method == "gguf" and load_format != "gguf":
+        raise ConfigError("--quantization gguf needs a .gguf model; use int4 or int8 for other checkpoints")
+    return method
+
+
+def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (n, m) for n, m in model.named_modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+    ]
+
+
+def quantize_model(model: nn.Module, method: str, gguf_path: str | None = None) -> None:
+    """Give every linear layer of `model` a low-bit weight (see the module docstring)."""
+    if method == "none":
+        return
+    blocks = None
+    if method == "gguf":
+        from minfer.models.gguf_blocks import gguf_blocks
+
+        blocks = gguf_blocks(gguf_path)
+    float_bytes = low_bit_bytes = 0
+    kept_float = []
+    for name, layer in linear_layers(model):
+        weight = layer.weight.data
+        if blocks is None:
+            low_bit = _from_float(weight, method)
+        else:
+            low_bit = _from_gguf(name, weight, blocks)
+            if low_bit is None:
+                kept_float.append(name)
+                continue
+        layer.low_bit = low_bit
+        float_bytes += weight.numel() * weight.element_size()
+        low_bit_bytes += low_bit.nbytes
+    log.info(
+        "--quantization %s: %d linear layers read %.0f MiB per decode step instead of %.0f MiB of float%s",
+        method,
+        len(linear_layers(model)) - len(kept_float),
+        low_bit_bytes / 2**20,
+        float_bytes / 2**20,
+        f"; kept float (not Q4_0/Q4_1/Q8_0 in the file): {kept_float}" if kept_float else "",
+    )
+
+
+def _from_float(weight: torch.Tensor, method: str) -> LowBitWeight:
+    if method == "int8":
+        low_bit, dequantized = quantize_int8(weight)
+    else:
+        codes, scales, mins = quantize_int4(weight)
+        low_bit, dequantized = int4_from_blocks(codes, scales, mins), dequantize_int4(codes, scales, mins)
+    weight.copy_(dequantized)
+    return low_bit
+
+
+def _from_gguf(name: str, weight: torch.Tensor, blocks: dict) -> LowBitWeight | None:
+    prefix, _, own = name.rpartition(".")
+    parts = [blocks.get(f"{prefix}.{part}.weight") for part in FUSED_PARTS.get(own, (own,))]
+    if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+        return None
+    if parts[0].kind == "Q8_0":  # per-32 int8 blocks have no kernel: per-channel int8 of the same weights
+        low_bit, dequantized = quantize_int8(weight)
+        weight.copy_(dequantized)
+        return low_bit
+    # The float matrix already holds these blocks dequantized (the default load path), so
+    # prefill stays bit-identical to --quantization none.
+    return int4_from_blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "mins")))
+
+
+def decode_weight_bytes(model: nn.Module, float_bytes: int) -> int:
+    """Bytes of weights one decode step reads: `float_bytes` (all parameters) with each low-bit
+    layer's float matrix replaced by its packed form (the float copy serves prefill only)."""
+    for _, layer in linear_layers(model):
+        if layer.low_bit is not None:
+            weight = layer.weight
+            float_bytes += layer.low_bit.nbytes - weight.numel() * weight.element_size()
+    return float_bytes

@@ -1,0 +1,90 @@
+"""--quantization: GGUF blocks and weights quantized at load, through torch's low-bit kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from test_gguf import private_cache, tiny_model, write_gguf  # noqa: F401 - private_cache is autouse
+
+from minfer.config import ConfigError
+from minfer.layers.quantized_linear import (
+    dequantize_int4,
+    int4_from_blocks,
+    quantize_int4,
+    quantize_int8,
+)
+from minfer.models import gguf as mg
+from minfer.models.gguf_blocks import gguf_blocks
+from minfer.models.loader import build_model, load_hf_config, resolve_model
+from minfer.models.quantize import check_quantization, linear_layers
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_gguf_blocks_are_the_dequantized_weights(tmp_path, qtype):
+    """The blocks read raw (with the Q/K rows un-permuted) stand for exactly the float32
+    matrices of the default load path; the int4 kernel with float32 scales multiplies them
+    to float32 rounding."""
+    config, state = tiny_model("llama", tied=True)
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", config, state, qtype)
+    floats = dict(mg.gguf_weights(path))
+    blocks = gguf_blocks(path)  # parsed from the file, then cached
+    assert set(blocks) == {n for n, t in floats.items() if t.dim() == 2 and n.startswith("model.layers.")}
+    cached = gguf_blocks(path)
+    for name, b in blocks.items():
+        assert cached[name].kind == b.kind == qtype.name
+        assert all(torch.equal(getattr(cached[name], p), getattr(b, p)) for p in ("codes", "scales", "mins"))
+    x = torch.randn(3, config.hidden_size)
+    for name, b in blocks.items():
+        want = floats[name]
+        torch.testing.assert_close(dequantize_int4(b.codes, b.scales, b.mins), want, rtol=1e-6, atol=1e-7)
+        if qtype != Q.Q8_0 and want.shape[1] == config.hidden_size:
+            kernel = int4_from_blocks(b.codes, b.scales, b.mins, dtype=torch.float32)
+            kernel.max_rows = 1 << 30
+            assert _relative_error(kernel.matmul(x, want), F.linear(x, want)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "method,qtype", [("gguf", Q.Q4_1), ("gguf", Q.Q4_0), ("gguf", Q.Q8_0), ("int4", Q.F32), ("int8", Q.F32)]
+)
+def test_quantized_layers_match_their_float_matrix(tmp_path, method, qtype):
+    """Every linear layer's low-bit kernel (bfloat16 activations) against a float32 matmul of
+    the weights it stands for: within 1% of the output's largest magnitude (bfloat16 keeps 8
+    bits); prefill-sized inputs take the float matrix itself."""
+    config, state = tiny_model("llama", tied=True)
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", config, state, qtype)
+    source = resolve_model(path)
+    model = build_model(
+        source, load_hf_config(source), torch.float32, torch.device("cpu"), quantization=method
+    )
+    layers = linear_layers(model)
+    assert layers and all(layer.low_bit is not None for _, layer in layers)
+    for _, layer in layers:
+        x = torch.randn(2, layer.weight.shape[1])
+        assert _relative_error(layer(x), F.linear(x, layer.weight)) < 1e-2
+        long = torch.randn(40, layer.weight.shape[1])
+        torch.testing.assert_close(layer(long), F.linear(long, layer.weight))
+
+
+def test_quantize_at_load_stays_near_the_float_weights():
+    weight = torch.randn(48, 64)
+    codes, scales, mins = quantize_int4(weight)
+    assert codes.max() <= 15
+    assert (dequantize_int4(codes, scales, mins) - weight).abs().max() <= (scales.max() / 2) * 1.001
+    _, dequantized = quantize_int8(weight)
+    assert _relative_error(dequantized, weight) < 1 / 127
+
+
+def test_unfit_quantization_is_refused():
+    with pytest.raises(ConfigError, match="needs a .gguf model"):
+        check_quantization("gguf", "safetensors", "cpu", 1)
+    with pytest.raises(ConfigError, match="CPU only"):
+        check_quantization("int4", "gguf", "cuda", 1)
+    with pytest.raises(ConfigError, match="--tp 1"):
+        check_quantization("int8", "gguf", "cpu", 2)
+    assert check_quantization(None, "safetensors", "cuda", 4) == "none"
