@@ -101,12 +101,19 @@ def rope_store_case(model: str, tokens: int = 256) -> None:
     rope_store(q.clone(), k, v, positions, rotary.cos_sin, k_pool, v_pool, out_loc.to(torch.int32), **scales)
     k_want = quantize_fp8(k_ref, scales["k_scale"]).view(torch.uint8)
     v_want = quantize_fp8(v, scales["v_scale"]).view(torch.uint8)
-    k_same = (k_pool.view(torch.uint8)[out_loc] == k_want).float().mean().item()
+    k_got = k_pool.view(torch.uint8)[out_loc]
+    k_same = (k_got == k_want).float().mean().item()
     v_same = (v_pool.view(torch.uint8)[out_loc] == v_want).float().mean().item()
+    # The kernel rotates K in float32 and quantizes once; the reference rounds the rotated K to
+    # bf16 first, so a value near the midpoint of two fp8 neighbours may round the other way.
+    # e4m3fn codes of one sign are ordered like their values: neighbours differ by one code.
+    same_sign = ((k_got ^ k_want) & 0x80) == 0
+    neighbours = same_sign & ((k_got.to(torch.int16) - k_want.to(torch.int16)).abs() <= 1)
+    k_near = neighbours.float().mean().item()
     verdict(
         f"rope_store fp8 {model}",
-        k_same >= (0.85 if SMOKE else 0.98) and v_same == 1.0,
-        f"K bytes equal {k_same:.2%}, V {v_same:.2%}",
+        k_near == 1.0 and k_same >= (0.85 if SMOKE else 0.95) and v_same == 1.0,
+        f"K bytes equal {k_same:.2%}, within one fp8 step {k_near:.2%}; V equal {v_same:.2%}",
     )
 
 
