@@ -32,6 +32,11 @@ MAX_SPLITS = 64
 # on an H200 in bf16: Llama-8B heads, B=256, mean context 1028: 287 us, 3.77 TB/s of K/V read
 # (88% of the 4.26 TB/s copy ceiling).
 BLOCK_N = 64  # keys per inner step
+# An fp8 pool: 128 keys per step. The kernel is bound by per-row gathers (address arithmetic and
+# widening per element), not by bytes, so an fp8 row (half a bf16 row) only pays with more rows
+# per step: at Qwen3-0.6B heads on an H200 (scripts/gpu_decode_sweep.py), B=16 91 -> 34 us,
+# B=64 102 -> 96 us, B=256 274 -> 255 us (bf16 with 64: 36, 88, 271 us).
+FP8_BLOCK_N = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
 
@@ -179,7 +184,9 @@ def _decode_merge_kernel(
     )
 
 
-def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+def choose_num_splits(
+    batch_size: int, num_kv_heads: int, max_context: int, device: torch.device, block_n: int = BLOCK_N
+) -> int:
     """Splits per (request, kv head), from sizes that stay fixed while a CUDA graph replays.
 
     Aim for about two programs per SM in pass 1 when the batch alone does not fill the GPU,
@@ -189,7 +196,7 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, devi
     """
     sms = num_sms(device)
     want = triton.cdiv(2 * sms, batch_size * num_kv_heads)
-    return max(1, min(want, MAX_SPLITS, triton.cdiv(max_context, BLOCK_N)))
+    return max(1, min(want, MAX_SPLITS, triton.cdiv(max_context, block_n)))
 
 
 def decode_attention(
@@ -220,8 +227,9 @@ def decode_attention(
     assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
     assert page_table.stride(-1) == 1
     group = num_heads // num_kv_heads
+    block_n = FP8_BLOCK_N if k_scale is not None else BLOCK_N
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, page_table.shape[1], q.device)
+        num_splits = choose_num_splits(batch, num_kv_heads, page_table.shape[1], q.device, block_n)
     if out is None:
         out = torch.empty_like(q)
     block_d = triton.next_power_of_2(head_dim)
@@ -261,7 +269,7 @@ def decode_attention(
         KV_SCALED=k_scale is not None,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )

@@ -1,6 +1,8 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral) generate transformers' greedy tokens exactly:
 mixed-length prompts in one batch under chunked prefill, through the prefix cache, from a
-checkpoint that stores experts stacked, and with the experts sharded over two TP ranks (gloo)."""
+checkpoint that stores experts stacked, and with the experts sharded over two TP ranks (gloo).
+The engine runs in float32 everywhere (on a GPU too, through the Triton MoE kernels): in bf16 a
+rounding can flip a router's top-k choice, which moves the output far more than in a dense model."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def _prompts(seed: int, lengths: list[int], prefix: list[int] = ()) -> list[list
 
 
 def _generate(path: str, prompts: list[list[int]], **options) -> tuple[list[list[int]], LLM]:
-    llm = LLM(path, kv_cache_tokens=1024, log_level="warning", **options)
+    llm = LLM(path, kv_cache_tokens=1024, dtype="float32", log_level="warning", **options)
     return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)], llm
 
 
@@ -71,7 +73,7 @@ def test_prefix_cache_hits_and_matches_transformers(moe_model):
     _, path, hf = moe_model
     prompts = _prompts(2, [4, 9, 13], prefix=_prompts(3, [40])[0])
     expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
-    llm = LLM(path, kv_cache_tokens=1024, log_level="warning")
+    llm = LLM(path, kv_cache_tokens=1024, dtype="float32", log_level="warning")
     first = [o.token_ids for o in llm.generate(prompts[:1], GREEDY, use_tqdm=False)]
     rest = [o.token_ids for o in llm.generate(prompts[1:], GREEDY, use_tqdm=False)]
     assert llm.scheduler.kv.prefix_cache.counters.hit_tokens >= 2 * 40
