@@ -30,7 +30,12 @@ def select_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [tokens, top_k], expert ids int64 [tokens, top_k]): softmax over all
     experts in float32, the top k, renormalised to sum to 1 when the model says so
-    (Mixtral always; Qwen3-MoE by `norm_topk_prob`)."""
+    (Mixtral always; Qwen3-MoE by `norm_topk_prob`). On CUDA one fused kernel does it all
+    (minfer/kernels/moe_router.py), checked against this torch path."""
+    if router_logits.is_cuda:
+        from minfer.kernels.moe_router import route_top_k
+
+        return route_top_k(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
