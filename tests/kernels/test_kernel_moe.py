@@ -30,8 +30,8 @@ def _layer(tokens, hidden, inter, experts, top_k, dtype, device, seed=0, only_ex
 
 
 @pytest.mark.parametrize("use_kernel", [False, True])
-def test_align_groups_rows_by_expert_in_padded_blocks(use_kernel):
-    ids = torch.tensor([[2, 0], [2, 3], [0, 2]])  # expert 1 gets nothing
+def test_align_groups_rows_by_expert_in_padded_blocks(use_kernel, device):
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]], device=device)  # expert 1 gets nothing
     rows, block_expert, total = moe.align_to_experts(ids, 4, 4, use_kernel)
     n = ids.numel()
     assert int(total) == 12  # experts 0, 2, 3: one block of 4 each
@@ -41,10 +41,10 @@ def test_align_groups_rows_by_expert_in_padded_blocks(use_kernel):
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 128, 8, 16), (37, 6, 3, 16), (40, 32, 4, 16)])
-def test_align_kernel_matches_torch_ops(tokens, experts, top_k, block_m):
+def test_align_kernel_matches_torch_ops(tokens, experts, top_k, block_m, device):
     """40 x 4 rows over 32 experts: several chunks per scan."""
     gen = torch.Generator().manual_seed(tokens)
-    ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices
+    ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices.to(device)
     want_rows, want_experts, want_total = moe.align_to_experts_torch(ids, experts, block_m)
     rows, block_expert, total = moe.align_to_experts(ids, experts, block_m, use_kernel=True)
     end = int(want_total)
