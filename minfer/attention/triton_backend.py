@@ -26,7 +26,7 @@ class TritonAttentionBackend:
         pool = ctx.kv_pool
         k_pool, v_pool = pool.k[layer], pool.v[layer]
         # An fp8 pool's kernels widen K/V in registers and apply the layer's per-head scales.
-        scales = {"k_scale": pool.k_scale[layer], "v_scale": pool.v_scale[layer]} if pool.quantized else {}
+        scales = pool.kernel_scales[layer]
         if meta.is_decode:
             return decode_attention(
                 q, k_pool, v_pool, meta.page_table, meta.table_idx, meta.seq_lens, scale, **scales

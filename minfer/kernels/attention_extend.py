@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import attend_blocks, gather_rows
+from minfer.kernels.common import attend_blocks, fp8_pool_operand, gather_rows
 
 LOG2E = 1.4426950408889634
 # GPU launch configuration; scripts/gpu_check.py --sweep times alternatives. On an H200 in bf16
@@ -93,11 +93,7 @@ def _extend_kernel(
 
     if KV_SCALED:  # an fp8 cache: K's scale folds into the scores, V's into the output
         sm_scale_log2 = sm_scale_log2 * tl.load(k_scale_ptr + kv_head)
-        if q.dtype == tl.bfloat16:
-            # The products run in fp16: the hardware widens e4m3 to fp16 directly, while
-            # reaching bf16 takes more conversion work per element (and fp16 keeps more of q's
-            # mantissa). A float32 model keeps float32.
-            q = q.to(tl.float16)
+        q = fp8_pool_operand(q)
     page_row = page_table_ptr + row * stride_page_row
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh

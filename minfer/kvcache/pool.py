@@ -62,6 +62,12 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=self.storage_dtype, device=device) for _ in range(num_layers)]
         self.k_scale = torch.ones((num_layers, num_kv_heads), dtype=torch.float32, device=device)
         self.v_scale = torch.ones((num_layers, num_kv_heads), dtype=torch.float32, device=device)
+        # What the Triton kernels take for each layer (views: set_scales updates them in place),
+        # built once rather than per layer per step; empty for a pool in the compute dtype.
+        self.kernel_scales = [
+            {"k_scale": self.k_scale[i], "v_scale": self.v_scale[i]} if self.quantized else {}
+            for i in range(num_layers)
+        ]
 
     @staticmethod
     def bytes_per_token(

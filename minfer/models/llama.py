@@ -69,12 +69,6 @@ class LlamaAttention(nn.Module):
             norms = (
                 (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
             )
-            pool = ctx.kv_pool
-            scales = (
-                {"k_scale": pool.k_scale[self.layer_id], "v_scale": pool.v_scale[self.layer_id]}
-                if pool.quantized
-                else {}
-            )
             rope_store(
                 q,
                 k,
@@ -85,7 +79,7 @@ class LlamaAttention(nn.Module):
                 ctx.kv_pool.v[self.layer_id],
                 ctx.out_loc,
                 *norms,
-                **scales,
+                **ctx.kv_pool.kernel_scales[self.layer_id],  # an fp8 pool's scales (none otherwise)
             )
         else:
             if self.q_norm is not None:
