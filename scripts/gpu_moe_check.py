@@ -90,6 +90,7 @@ def check(shape: dict, tokens: int) -> bool:
     rows, e = ids.numel(), shape["experts"]
     config = moe.config_for(rows, e)
     aligned = moe.align_to_experts(ids, e, config["BLOCK_M"])
+    timed_layout = moe.one_row_blocks(ids) if config.get("one_row_blocks") else aligned
     act = torch.empty(rows, shape["inter"], dtype=DTYPE, device="cuda")
     out_rows = torch.empty(rows, shape["hidden"], dtype=DTYPE, device="cuda")
     flat_w = weights.reshape(-1).float()
@@ -106,8 +107,8 @@ def check(shape: dict, tokens: int) -> bool:
         print(
             f"{'PASS' if same else 'FAIL'} {shape['name']} tokens={tokens}: align kernel equals the torch ops"
         )
-    t_gate_up = ms(lambda: moe.grouped_gemm(x, gate_up, act, aligned, config, shape["top_k"], True))
-    t_down = ms(lambda: moe.grouped_gemm(act, down, out_rows, aligned, config, 1, False, flat_w))
+    t_gate_up = ms(lambda: moe.grouped_gemm(x, gate_up, act, timed_layout, config, shape["top_k"], True))
+    t_down = ms(lambda: moe.grouped_gemm(act, down, out_rows, timed_layout, config, 1, False, flat_w))
     t_sum = ms(lambda: out_rows.view(tokens, shape["top_k"], -1).sum(dim=1))
     t_fused = ms(lambda: moe.fused_moe(x, gate_up, down, weights, ids))
     t_torch = ms(lambda: moe_reference(x, gate_up, down, weights, ids))
@@ -136,7 +137,7 @@ SWEEP = [
     for m, n, k, w, s in itertools.product((16, 32, 64), (64, 128), (64, 128), (4, 8), (3,))
 ] + [
     dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=4)
-    for n, k, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))
+    for n, k, w in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8))
 ]
 
 
@@ -155,11 +156,73 @@ def sweep(shape: dict, tokens: int) -> dict:
     return best
 
 
+def graph_us(shape: dict, tokens: int, config: dict, layers: int = 8, reps: int = 20) -> float:
+    """us per layer of fused_moe(config) replayed in one CUDA graph over `layers` distinct
+    layers (distinct weights and routing, as in a decode step: nothing stays in L2)."""
+    made = [make_layer(shape, tokens, seed) for seed in range(layers)]
+    outs = []
+
+    def step():
+        outs.clear()
+        for x, gate_up, down, weights, ids in made:
+            outs.append(moe.fused_moe(x, gate_up, down, weights, ids, config))
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return 1e3 * start.elapsed_time(end) / reps / layers
+
+
+def sweep_one_row(shape: dict, tokens: int) -> dict:
+    """The one-row-per-block layout's configs (BLOCK_M 16 rows of SWEEP), timed in a graph."""
+    grid = [dict(c, one_row_blocks=True) for c in SWEEP if c["BLOCK_M"] == 16]
+    timed = [(graph_us(shape, tokens, c, layers=4, reps=10), c) for c in grid]
+    best_us, best = min(timed, key=lambda t: t[0])
+    print(
+        f"one-row sweep {shape['name']} tokens={tokens}: best {best_us:.1f} us {json.dumps(best)}", flush=True
+    )
+    return best
+
+
+def graph_compare(shape: dict, tokens: int, sweep: bool) -> None:
+    """Per layer inside a CUDA graph (launch gaps as in the engine): the aligned path, the
+    table's choice, and with --sweep the best one-row-per-block config."""
+    rows, e = tokens * shape["top_k"], shape["experts"]
+    table = moe.block_configs()
+    grouped = table["decode"] if rows / e <= table["decode_max_rows_per_expert"] else table["prefill"]
+    chosen = moe.config_for(rows, e)
+    x, gate_up, down, weights, ids = make_layer(shape, tokens)
+    floor = floor_ms(shape, tokens, ids)[0] * 1e3
+    line = f"graph {shape['name']} tokens={tokens}: floor {floor:.1f} us | aligned {graph_us(shape, tokens, grouped):.1f} us"
+    line += f" | table ({'one row' if chosen.get('one_row_blocks') else 'aligned'}) {graph_us(shape, tokens, chosen):.1f} us"
+    print(line, flush=True)
+    if sweep:
+        sweep_one_row(shape, tokens)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time a grid of block configs per case")
+    ap.add_argument("--graph-only", action="store_true", help="only the in-graph comparison (and its sweep)")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    for shape, tokens in [(QWEN3_30B, 1), (QWEN3_30B, 4), (QWEN3_30B, 8), (MIXTRAL, 1)]:
+        graph_compare(shape, tokens, args.sweep and tokens <= 4)
+    if args.graph_only:
+        return 0
     results = [check(shape, tokens) for shape, tokens in CASES]  # every case, even after a FAIL
     ok = all(results)
     if args.sweep:

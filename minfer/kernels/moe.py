@@ -12,11 +12,18 @@
    unfused).
 3. down GEMM: the same kernel without the gate; its epilogue multiplies each row by its
    routing weight, so rows of one token only need adding.
-4. One reduction per token: out = rows.view(tokens, top_k, hidden).sum(1).
+4. One reduction per token: out = rows.view(tokens, top_k, hidden).sum(1), or none: the
+   decoder's next RMSNorm sums the rows into its residual add (`reduce=False`).
 
 Experts that received no tokens own no block, so their weights are never read: a decode step
 reads only the experts its tokens chose. Block sizes come from moe_configs.json (decode: few
 rows per expert; prefill: many), chosen by the mean rows per expert.
+
+With fewer rows still (batch-1 decode: 8 rows over 128 experts) almost every row is alone in
+its expert's block anyway, so step 1 is skipped: each row is its own block (`one_row_blocks`),
+whose expert is read straight from topk_ids. Two tokens that chose one expert then read its
+weights twice, which costs less than the align launch while rows are few against experts
+(`one_row_max_rows_per_expert`).
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ def config_for(num_rows: int, num_experts: int, element_size: int = 2) -> dict:
     The tables are for 2-byte types; float32 tiles are twice the bytes, so fewer pipeline
     stages keep them within shared memory (the gated GEMM holds three tiles per stage)."""
     table = block_configs()
+    if num_rows / num_experts <= table["one_row_max_rows_per_expert"]:
+        return dict(table["one_row"], one_row_blocks=True)
     phase = "decode" if num_rows / num_experts <= table["decode_max_rows_per_expert"] else "prefill"
     config = table[phase]
     if element_size > 2:
@@ -157,6 +166,13 @@ def align_to_experts_torch(
     return sorted_rows, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
+def one_row_blocks(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `aligned` triple of the one-row-per-block layout: block m is row m and its expert is
+    topk_ids' m-th entry; no kernel runs (the GEMMs ignore the other two entries)."""
+    flat = topk_ids.reshape(-1)
+    return flat, flat, flat
+
+
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr,
@@ -174,6 +190,7 @@ def _grouped_gemm_kernel(
     stride_wn,
     stride_om,
     A_ROWS_PER_TOKEN: tl.constexpr,
+    ONE_ROW_BLOCKS: tl.constexpr,
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -182,13 +199,18 @@ def _grouped_gemm_kernel(
 ):
     """out[row, n] = sum_k a[row // A_ROWS_PER_TOKEN, k] * w[expert, n, k] for the rows of
     one expert's block. GATED: w holds [gate; up] (2N rows) and out = SiLU(gate) * up.
-    WEIGHTED: out is scaled by row_weight[row] (the routing weight)."""
+    WEIGHTED: out is scaled by row_weight[row] (the routing weight).
+    ONE_ROW_BLOCKS: block m is row m alone (the other lanes are padding) and block_expert is
+    topk_ids itself; sorted_rows and padded_total are not read."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(padded_total_ptr):
-        return
+    if ONE_ROW_BLOCKS:
+        rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)
+    else:
+        if pid_m * BLOCK_M >= tl.load(padded_total_ptr):
+            return
+        rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_mask = rows < num_rows
     a_rows = (rows // A_ROWS_PER_TOKEN).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -247,6 +269,7 @@ def grouped_gemm(
         w.stride(1),
         out.stride(0),
         A_ROWS_PER_TOKEN=a_rows_per_token,
+        ONE_ROW_BLOCKS=config.get("one_row_blocks", False),
         GATED=gated,
         WEIGHTED=row_weight is not None,
         BLOCK_M=config["BLOCK_M"],
@@ -265,18 +288,24 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: dict | None = None,
+    reduce: bool = True,
 ) -> torch.Tensor:
     """sum over each token's experts e of weight_e * down_e(SiLU(gate_e x) * up_e x).
     x [tokens, hidden] (last dim contiguous); gate_up [experts, 2I, hidden]; down
-    [experts, hidden, I]; topk_* [tokens, top_k]."""
+    [experts, hidden, I]; topk_* [tokens, top_k]. With reduce=False the terms of the sum,
+    [tokens, top_k, hidden], for a consumer that adds them itself (kernels/norm.py)."""
     tokens, top_k = topk_ids.shape
     num_experts, hidden, inter = down.shape
     rows = tokens * top_k
     config = config or config_for(rows, num_experts, x.element_size())
-    aligned = align_to_experts(topk_ids, num_experts, config["BLOCK_M"])
+    if config.get("one_row_blocks"):
+        aligned = one_row_blocks(topk_ids)
+    else:
+        aligned = align_to_experts(topk_ids, num_experts, config["BLOCK_M"])
     activation = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     grouped_gemm(x, gate_up, activation, aligned, config, top_k, gated=True)
     expert_out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32)
     grouped_gemm(activation, down, expert_out, aligned, config, 1, gated=False, row_weight=weights)
-    return expert_out.view(tokens, top_k, hidden).sum(dim=1)
+    terms = expert_out.view(tokens, top_k, hidden)
+    return terms.sum(dim=1) if reduce else terms

@@ -78,6 +78,23 @@ def test_rmsnorm_matches_reference(dtype, hidden, device):
     torch.testing.assert_close(new_residual, expected_residual, **_bitwise_or_interpreter(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_sums_expert_terms_into_the_residual(dtype, device):
+    """A mixture-of-experts layer's per-expert rows [T, top_k, H] beside the residual [T, H]:
+    the kernel adds the terms and the residual in float32 and rounds once (and checks shapes)."""
+    weight = _randn((96,), dtype, device, 1)
+    terms, residual = _randn((5, 8, 96), dtype, device, 2), _randn((5, 96), dtype, device, 3)
+    out, new_residual = rmsnorm(terms, weight, 1e-6, residual)
+    expected_out, expected_residual = rmsnorm_reference(terms, weight, 1e-6, residual)
+    assert out.shape == residual.shape == new_residual.shape
+    torch.testing.assert_close(new_residual, expected_residual, **tolerance(dtype))
+    torch.testing.assert_close(out, expected_out, **tolerance(dtype))
+    summed = (terms.double().sum(1) + residual.double()).to(dtype)
+    torch.testing.assert_close(new_residual, summed, **tolerance(dtype))
+    with pytest.raises(ValueError, match="terms"):
+        rmsnorm(terms, weight, 1e-6, residual[:4])
+
+
 def test_rmsnorm_per_head_view_and_fp32_weight(device):
     """Qwen3's q/k norm runs on a strided [T, H, D] view; an fp32 weight promotes the output."""
     q, _, _ = _qkv_views(5, 4, 2, 64, torch.bfloat16, device, 4)

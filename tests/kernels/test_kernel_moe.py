@@ -74,16 +74,42 @@ def test_fused_moe_matches_reference(device, tokens, hidden, inter, experts, top
 
 
 def test_block_configs_cover_decode_and_prefill():
-    decode, prefill = moe.config_for(8, 128), moe.config_for(4096 * 8, 128)
+    decode, prefill = moe.config_for(64 * 8, 128), moe.config_for(4096 * 8, 128)
     assert decode["BLOCK_M"] < prefill["BLOCK_M"]
     for config in (decode, prefill):
         assert set(config) == set(TINY)
 
 
+def test_few_rows_skip_the_align_step():
+    """Batch-1 decode of Qwen3-30B-A3B (8 of 128 experts) and of Mixtral (2 of 8): one row per
+    block, no align launch; a batch whose rows outnumber a quarter of the experts: aligned."""
+    assert moe.config_for(8, 128).get("one_row_blocks") and moe.config_for(2, 8).get("one_row_blocks")
+    assert not moe.config_for(64 * 8, 128).get("one_row_blocks") and not moe.config_for(4, 8).get(
+        "one_row_blocks"
+    )
+
+
+@pytest.mark.parametrize(
+    "tokens,hidden,inter,experts,top_k",
+    [
+        (1, 32, 16, 8, 2),  # Mixtral-like decode of one token
+        (1, 48, 40, 16, 8),  # ragged N and K tiles, eight experts per token
+        (3, 40, 24, 4, 3),  # tokens sharing experts (weights read once per row)
+    ],
+)
+def test_one_row_blocks_match_reference(device, tokens, hidden, inter, experts, top_k):
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    x, gate_up, down, weights, ids = _layer(tokens, hidden, inter, experts, top_k, dtype, device, seed=3)
+    got = moe.fused_moe(x, gate_up, down, weights, ids, dict(TINY, one_row_blocks=True))
+    expected = moe_reference(x.float(), gate_up.float(), down.float(), weights, ids)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.float(), expected, **tol)
+
+
 def test_float32_configs_fit_shared_memory():
     """Three fp32 tiles per stage (x, gate, up): the table's stages would overflow an H200's
     227 KiB of shared memory, so float32 runs with at most two."""
-    for rows in (8, 4096 * 8):
+    for rows in (64 * 8, 4096 * 8):
         config = moe.config_for(rows, 128, element_size=4)
         tile = config["BLOCK_K"] * (config["BLOCK_M"] + 2 * config["BLOCK_N"]) * 4
         assert config["num_stages"] * tile <= 227 * 1024
