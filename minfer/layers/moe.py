@@ -74,6 +74,16 @@ class Router(nn.Module):
         # 0.5 MB matrix at batch 1 on an H200)
         return linear(x, self.weight)
 
+    def select(self, x: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """select_experts of this router's logits; at decode sizes on CUDA the GEMM and the
+        selection are one launch (minfer/kernels/moe_router.py)."""
+        if x.is_cuda:
+            from minfer.kernels.moe_router import FUSED_MAX_TOKENS, route_top_k_fused
+
+            if x.shape[0] <= FUSED_MAX_TOKENS:
+                return route_top_k_fused(x, self.weight, top_k, renormalize)
+        return select_experts(self(x), top_k, renormalize)
+
 
 class FusedExperts(nn.Module):
     """All experts of one layer, stacked; this rank's share of each expert's intermediate dim."""
@@ -143,7 +153,7 @@ class SparseMoeBlock(nn.Module):
         top_k, hidden] instead: the decoder layer's output always goes to the next RMSNorm's
         residual add (models/llama.py), whose kernel sums them (kernels/norm.py) and so
         saves the reduction's launch (4.9 us per layer at batch-1 decode on an H200)."""
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self.gate.select(x, self.top_k, self.renormalize)
         if x.is_cuda and self.tp.size == 1:
             return self.experts(x, weights, ids, reduce=False)
         return self.tp.all_reduce(self.experts(x, weights, ids))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minfer.kernels.moe_router import route_top_k
+from minfer.kernels.moe_router import route_top_k, route_top_k_fused
 from minfer.layers.moe import select_experts
 
 
@@ -43,3 +43,18 @@ def test_route_top_k_reads_bf16_logits(device):
     torch.testing.assert_close(
         got_w.cpu().gather(1, order), want_w.gather(1, want_i.argsort(dim=-1)), rtol=1e-6, atol=1e-7
     )
+
+
+@pytest.mark.parametrize("tokens,hidden,experts,top_k", [(1, 64, 128, 8), (5, 40, 8, 2), (3, 600, 60, 4)])
+def test_fused_router_matches_gemm_then_select(device, tokens, hidden, experts, top_k):
+    """The router GEMM joined to the selection (the last program of a token selects): the
+    experts and weights of select_experts(x @ W.T); twice, so the arrival counters must have
+    been reset by the first launch. hidden 600: the K loop's ragged last block."""
+    torch.manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden)
+    weight = torch.randn(experts, hidden) / hidden**0.5
+    want_w, want_i = select_experts(x @ weight.T, top_k, True)
+    for _ in range(2):
+        got_w, got_i = route_top_k_fused(x.to(device), weight.to(device), top_k, True)
+        assert torch.equal(got_i.cpu(), want_i)
+        torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-5, atol=1e-6)
