@@ -7,11 +7,7 @@ Two passes, so that a single long request still spreads over the whole GPU:
       online softmax for all the query heads that share this kv head (GQA: the group's
       queries are the rows of one small matrix, so each K/V row is read once per group).
       It writes its normalised partial output and its log-sum-exp (base 2).
-  pass 2: merges the splits by their log-sum-exp. The last program of a (request, kv head)
-      to finish (an atomic arrival counter) merges its group's heads itself, so a decode
-      step has one attention launch per layer, not two (the merge launch cost ~2 us per layer
-      at batch-1 decode on an H200, more than the merge's work); the separate merge kernel
-      remains for grids larger than the counters.
+  pass 2, grid (request, q head): merges the splits by their log-sum-exp.
 
 Why the number of splits is fixed per launch and chosen from static sizes only: a CUDA graph
 replays the launch grid it captured, so the grid may not depend on this step's lengths. The
@@ -23,8 +19,6 @@ are weighted zero by the merge. With one split the first pass writes the output 
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -55,7 +49,6 @@ def _decode_split_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counter_ptr,
     page_table_ptr,
     table_idx_ptr,
     seq_lens_ptr,
@@ -75,12 +68,10 @@ def _decode_split_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
-    MERGE_LAST: tl.constexpr,
     KV_SCALED: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -154,82 +145,6 @@ def _decode_split_kernel(
         lse_idx = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split
         tl.store(part_out_ptr + lse_idx[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], o, mask=hd_mask)
         tl.store(part_lse_ptr + lse_idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=h_mask)
-        if MERGE_LAST:
-            # Every thread's partial stores must precede the arrival (release) that publishes them.
-            tl.debug_barrier()
-            counter = counter_ptr + b * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                _merge_group(
-                    out_ptr,
-                    part_out_ptr,
-                    part_lse_ptr,
-                    b,
-                    heads,
-                    h_mask,
-                    offs_d,
-                    d_mask,
-                    stride_ob,
-                    stride_oh,
-                    num_splits,
-                    lse_idx - split,
-                    HEAD_DIM,
-                    BLOCK_S,
-                    BLOCK_H,
-                    BLOCK_D,
-                )
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _merge_group(
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    b,
-    heads,
-    h_mask,
-    offs_d,
-    d_mask,
-    stride_ob,
-    stride_oh,
-    num_splits,
-    base,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The merge pass for one group's heads ([BLOCK_H] rows; partials of head h at base[h] +
-    split), splits added in split order, so the result does not depend on who arrived last.
-    Loads bypass L1 (.cg): other programs wrote the partials."""
-    offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(
-        part_lse_ptr + base[:, None] + offs_s[None, :],
-        mask=h_mask[:, None] & (offs_s[None, :] < num_splits),
-        other=float("-inf"),
-        cache_modifier=".cg",
-    )
-    lse_max = tl.max(lse, 1)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all: output 0, not NaN
-    total = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)
-    total = tl.where(total > 0, total, 1.0)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for s in range(num_splits):
-        lse_s = tl.load(part_lse_ptr + base + s, mask=h_mask, other=float("-inf"), cache_modifier=".cg")
-        live = lse_s > float("-inf")  # empty splits are not even read
-        part = tl.load(
-            part_out_ptr + (base + s)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
-            mask=live[:, None] & d_mask[None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        acc += part * tl.exp2(lse_s - lse_max)[:, None]
-    tl.store(
-        out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-        (acc / total[:, None]).to(out_ptr.dtype.element_ty),
-        mask=h_mask[:, None] & d_mask[None, :],
-    )
 
 
 @triton.jit
@@ -285,15 +200,6 @@ def choose_num_splits(
     return max(1, min(want, MAX_SPLITS, triton.cdiv(max_context, block_n)))
 
 
-_MAX_COUNTERS = 1 << 16  # (request, kv head) pairs whose last split merges in pass 1
-
-
-@functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
-    # arrival counters of pass 1, back at zero after every launch
-    return torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
-
-
 def decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -335,7 +241,6 @@ def decode_attention(
         part_out = part_lse = out  # unused: pass 1 writes the output itself
     if batch == 0:
         return out
-    merge_last = num_splits > 1 and batch * num_kv_heads <= _MAX_COUNTERS
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_pool,
@@ -343,7 +248,6 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        _counters(q.device) if merge_last else seq_lens,
         page_table,
         table_idx,
         seq_lens,
@@ -363,16 +267,14 @@ def decode_attention(
         GROUP=group,
         HEAD_DIM=head_dim,
         DIRECT_OUT=num_splits == 1,
-        MERGE_LAST=merge_last,
         KV_SCALED=k_scale is not None,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
-        BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
-    if num_splits > 1 and not merge_last:
+    if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
             out,
             part_out,

@@ -65,21 +65,6 @@ def test_decode_more_splits_than_keys(device):
         torch.testing.assert_close(out, expected, **tolerance(torch.float32))
 
 
-def test_decode_merge_kernel_when_counters_run_out(device, monkeypatch):
-    """Pass 1's last program merges while its (request, kv head) pairs fit the arrival
-    counters; beyond, the separate merge launch does it. Both give the reference, and the
-    in-kernel merge leaves the counters at zero for the next launch."""
-    from minfer.kernels import attention_decode
-
-    batch, q = _decode_case(4, 64, 16, torch.float32, device, [1, 3, 200, 77])
-    args = _decode_args(batch, q, 0.125)
-    expected = decode_attention_reference(*args)
-    torch.testing.assert_close(decode_attention(*args, num_splits=4), expected, **tolerance(torch.float32))
-    assert int(attention_decode._counters(q.device).abs().sum()) == 0
-    monkeypatch.setattr(attention_decode, "_MAX_COUNTERS", 0)
-    torch.testing.assert_close(decode_attention(*args, num_splits=4), expected, **tolerance(torch.float32))
-
-
 def test_num_splits_depend_only_on_static_sizes(device):
     assert choose_num_splits(1, 1, 40960, device) > 1  # one request alone is spread out
     assert choose_num_splits(1, 8, 40960, device) >= choose_num_splits(256, 8, 40960, device)
