@@ -136,7 +136,7 @@ def _router_fused_kernel(
 
 
 FUSED_MAX_TOKENS = 256  # decode sizes; beyond, the GEMM and the selection launch apart
-_EXPERTS_PER_PROGRAM = 16
+_EXPERTS_PER_PROGRAM = 2  # many programs of a short dot each: the GEMV is latency-bound at batch 1
 
 
 @functools.cache
@@ -171,7 +171,7 @@ def route_top_k_fused(
             TOP_K=top_k,
             BLOCK_K=triton.next_power_of_2(top_k),
             EXPERTS_PER_PROGRAM=_EXPERTS_PER_PROGRAM,
-            BLOCK_H=min(512, triton.next_power_of_2(hidden)),
+            BLOCK_H=min(2048, triton.next_power_of_2(hidden)),
             BLOCK_E=triton.next_power_of_2(num_experts),
             RENORMALIZE=renormalize,
             num_warps=4,
