@@ -34,7 +34,8 @@ current stream: forward passes, and the offload gathers), the load stream, the o
      reads them. A host page is freed only after the load reading it finished (rule 5).
   7. Index tensors go to the device through pinned memory with non-blocking copies on the
      stream that uses them: a blocking copy would stall the CPU until that stream caught up.
-     Staging buffers live as long as the tier, so no stream outlives the memory it uses.
+     Staging buffers and the device pool are marked used by the side streams (record_stream),
+     so memory freed at shutdown is not handed out again before those streams are done.
 On CPU the same code runs synchronously (the staging buffers are host tensors) and `load`
 returns no pending load.
 """
@@ -146,6 +147,11 @@ class HostTier:
         self._next_offload = 0
         self.load_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.offload_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        if self.cuda:  # memory these streams use is not reused, once freed, before they are done
+            for t in (self.load_staging, *device_pool.k, *device_pool.v):
+                t.record_stream(self.load_stream)
+            for staging in self.offload_staging:
+                staging.buffer.record_stream(self.offload_stream)
         self._offload_timings: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
         self.counters = HostTierCounters()
         self._seq = 0
@@ -224,6 +230,7 @@ class HostTier:
     # -- the interface the radix tree uses ---------------------------------------------------------
     def offload(self, device_slots: list[int], host_slots: list[int]) -> None:
         """Device -> host: gathered on the compute stream, copied out on the offload stream."""
+        self._observe_offloads()  # here too, so the timings in flight stay few without loads
         host_pages, device_pages = self._pages(host_slots, device_slots)
         c = self.counters
         start = time.perf_counter()
