@@ -44,13 +44,21 @@ def layer_row_bytes(device_pool: KVPool) -> int:
     return device_pool.k[0][0].numel() * device_pool.k[0].element_size()
 
 
-def device_page_views(device_pool: KVPool, page_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each layer's K and V tensor seen as raw pages [num_rows / page_size, page_size, row bytes]
-    (uint8 views of the same memory): the unit a transfer scatters into and gathers from."""
+def transfer_word(device_pool: KVPool) -> torch.dtype:
+    """The widest integer type a row's bytes divide into: device-side scatters and gathers move
+    raw rows as these words, 8x fewer elements than bytes (the values are never read as such)."""
     rb = layer_row_bytes(device_pool)
+    return next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if rb % w.itemsize == 0)
+
+
+def device_page_views(device_pool: KVPool, page_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's K and V tensor seen as raw pages [num_rows / page_size, page_size, row words]
+    (views of the same memory, see transfer_word): what a transfer scatters into and gathers from."""
+    word = transfer_word(device_pool)
+    words = layer_row_bytes(device_pool) // word.itemsize
 
     def pages(t: torch.Tensor) -> torch.Tensor:
-        return t.view(torch.uint8).view(-1, page_size, rb)
+        return t.view(torch.uint8).view(-1, page_size, words * word.itemsize).view(word)
 
     return [pages(t) for t in device_pool.k], [pages(t) for t in device_pool.v]
 
@@ -65,8 +73,10 @@ class HostKVPool:
         self.bytes_per_token = row_bytes(device_pool)
         self.page_bytes = self.bytes_per_token * page_size
         self.allocator = PageAllocator(self.num_pages, page_size)
-        # [page, layer, k|v, slot, row bytes]: what `page_layout` reshapes a run of pages to.
-        self.page_shape = (device_pool.num_layers, 2, page_size, layer_row_bytes(device_pool))
+        # [page, layer, k|v, slot, row words]: what `page_layout` reshapes a run of pages to.
+        self.word = transfer_word(device_pool)
+        row_words = layer_row_bytes(device_pool) // self.word.itemsize
+        self.page_shape = (device_pool.num_layers, 2, page_size, row_words)
         self.data = torch.zeros((self.num_pages, self.page_bytes), dtype=torch.uint8, pin_memory=pin)
         # The same bytes typed as the device pool stores them, for reading (tests, debugging).
         kv_shape = (device_pool.num_kv_heads, device_pool.head_dim)
@@ -75,9 +85,9 @@ class HostKVPool:
         )
 
     def page_layout(self, block: torch.Tensor) -> torch.Tensor:
-        """A [n, page_bytes] block (host pages or a device staging buffer) as [n, layer, k|v,
-        slot, row bytes]: `[:, layer, 0]` is layer's K rows of those pages."""
-        return block.view(block.shape[0], *self.page_shape)
+        """A [n, page_bytes] uint8 block (host pages or a device staging buffer) as [n, layer,
+        k|v, slot, row words]: `[:, layer, 0]` is layer's K rows of those pages."""
+        return block.view(self.word).view(block.shape[0], *self.page_shape)
 
     @property
     def num_bytes(self) -> int:

@@ -5,8 +5,8 @@ stores, an fp8 cache included, comes back bit for bit), through a device staging
 out like host pages (minfer/kvcache/host_pool.py: one page = one contiguous block across all
 layers). Pages are sorted by host page, so each run of consecutive host pages is ONE
 host<->device copy whatever the device pages are; the device side is one `index_copy_` (load)
-or `index_select` (offload) per layer and K/V. A transfer bigger than a staging buffer goes in
-chunks of `staging_pages`.
+or `index_select` (offload) per layer and K/V, moving rows as 8-byte words where they divide.
+A transfer bigger than a staging buffer goes in chunks of `staging_pages`.
 
   load     host --H2D (one copy per host run)--> load staging --index_copy_--> device pool
   offload  device pool --index_select--> offload staging --D2H (one per host run)--> host

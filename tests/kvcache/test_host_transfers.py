@@ -13,8 +13,8 @@ from minfer.kvcache.pool import KVPool
 PS, LAYERS, DEVICE_PAGES, HOST_PAGES = 4, 3, 12, 16
 
 
-def make_tier(kv_cache_dtype: str, staging_pages: int | None):
-    pool = KVPool(LAYERS, DEVICE_PAGES * PS, 2, 8, PS, torch.float32, torch.device("cpu"), kv_cache_dtype)
+def make_tier(kv_cache_dtype: str, staging_pages: int | None, heads=2, head_dim=8, dtype=torch.float32):
+    pool = KVPool(LAYERS, DEVICE_PAGES * PS, heads, head_dim, PS, dtype, torch.device("cpu"), kv_cache_dtype)
     host = HostKVPool(pool, HOST_PAGES * PS, PS, pin=False)
     return pool, HostTier(pool, host, staging_pages)
 
@@ -47,7 +47,18 @@ DEVICE_DST = [1, 10, 3, 8, 11]
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("staging_pages", [1, 3, None], ids=["1-page", "3-page", "default"])
 def test_round_trip_is_bit_exact_with_scattered_pages_and_chunks(kv_cache_dtype, staging_pages):
-    pool, tier = make_tier(kv_cache_dtype, staging_pages)
+    round_trip(*make_tier(kv_cache_dtype, staging_pages))
+
+
+# Raw rows of 6 and 5 bytes: moved as int16 words and as bytes (8-byte words do not divide them).
+@pytest.mark.parametrize("heads, head_dim, word", [(2, 3, torch.int16), (1, 5, torch.uint8)])
+def test_round_trip_of_rows_no_wide_word_divides(heads, head_dim, word):
+    pool, tier = make_tier("auto", 2, heads, head_dim, torch.uint8)
+    assert tier.host.word == word and tier.dev_k[0].dtype == word
+    round_trip(pool, tier)
+
+
+def round_trip(pool: KVPool, tier: HostTier) -> None:
     scramble(pool, seed=1)
     want = {d: page_bytes(pool, d) for d in DEVICE_SRC}
     tier.offload(slots(DEVICE_SRC), slots(HOST))
