@@ -98,7 +98,11 @@ def converse(
     rng = random.Random(0)
     vocab = min(llm.engine.vocab_size, 20000)
     # Warm-up that shares nothing with the conversations: kernels compile outside the figures.
-    run_round(sched, [[vocab - 1 - i for i in range(64)]], SamplingParams(max_tokens=4, ignore_eos=True))
+    run_round(
+        sched,
+        [[vocab - 1 - i for i in range(64)]],
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    )
     histories = [[rng.randrange(vocab) for _ in range(args.first_len)] for _ in range(conversations)]
     run = Run([], [], [], [], [], 0.0, 0.0, llm)
     cache, c = sched.kv.prefix_cache.counters, sched.counters

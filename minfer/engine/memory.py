@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from minfer.config import CPU_DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_RUNNING_REQUESTS
+from minfer.kvcache.host_pool import host_pool_pages
+from minfer.kvcache.host_tier import staging_bytes
 from minfer.layers.moe import expert_weight_bytes
 
 GiB = 1 << 30
@@ -169,9 +171,6 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
 
 def host_staging_bytes(cfg, bytes_per_token: int) -> int:
     """The host KV tier's device staging buffers (kvcache/host_tier.py), 0 when the tier is off."""
-    from minfer.kvcache.host_pool import host_pool_pages
-    from minfer.kvcache.host_tier import staging_bytes
-
     pages = (
         host_pool_pages(cfg.host_kv_cache_gb, bytes_per_token, cfg.page_size)
         if cfg.host_kv_cache_gb > 0
