@@ -9,7 +9,7 @@ histories to eviction; `--host-kv-cache-gb` keeps them on the host tier.
 
 Per round it prints the prefix-cache hit rate, the prefill tokens computed, TTFT p50/p99 (from
 queueing to the first token, measured in the scheduler loop) and the host tier's traffic: bytes
-loaded and offloaded and the load bandwidth (bytes over the loads' own copy time), beside the
+loaded and offloaded and the load and offload bandwidth (bytes over the copies' own time), beside the
 host->device copy bandwidth measured on the same device (pinned memory on CUDA).
 """
 
@@ -102,25 +102,39 @@ def run_multiturn_bench(config: EngineConfig, args: argparse.Namespace) -> int:
         print(
             f"host->device copy bandwidth measured here: {copy_bandwidth(llm.engine.device) / 1e9:.2f} GB/s"
         )
-    print("round  hit%   prefill_computed  ttft_p50_ms  ttft_p99_ms  loaded_MB  offloaded_MB  load_GB/s")
+    print(
+        "round  hit%   prefill_computed  ttft_p50_ms  ttft_p99_ms  loaded_MB  offloaded_MB  load_GB/s  offload_GB/s"
+    )
     cache, c = kv.prefix_cache.counters, sched.counters
     for r in range(args.rounds):
         before = (cache.queried_tokens, cache.hit_tokens, c.prefill_tokens_computed)
+        hc = host.counters if host else None
         hb = (
-            (host.counters.bytes_loaded, host.counters.bytes_offloaded, host.counters.load_seconds_sum)
+            (
+                hc.bytes_loaded,
+                hc.bytes_offloaded,
+                hc.load_seconds_sum,
+                hc.offload_bytes_timed,
+                hc.offload_seconds_sum,
+            )
             if host
-            else (0, 0, 0.0)
+            else (0, 0, 0.0, 0, 0.0)
         )
         outputs, ttfts = run_round(sched, histories, params)
+        if host:
+            host.synchronize()  # every copy of the round timed (offloads' D2H is read lazily)
         queried, hits = cache.queried_tokens - before[0], cache.hit_tokens - before[1]
-        loaded = (host.counters.bytes_loaded - hb[0]) if host else 0
-        offloaded = (host.counters.bytes_offloaded - hb[1]) if host else 0
-        seconds = (host.counters.load_seconds_sum - hb[2]) if host else 0.0
+        loaded = (hc.bytes_loaded - hb[0]) if host else 0
+        offloaded = (hc.bytes_offloaded - hb[1]) if host else 0
+        seconds = (hc.load_seconds_sum - hb[2]) if host else 0.0
+        out_seconds = (hc.offload_seconds_sum - hb[4]) if host else 0.0
+        out_bw = (hc.offload_bytes_timed - hb[3]) / out_seconds / 1e9 if out_seconds > 0 else None
         p50, p99 = np.percentile(ttfts, [50, 99]) * 1000
         print(
             f"{r + 1:5d}  {100 * hits / max(1, queried):5.1f}  {c.prefill_tokens_computed - before[2]:16d}  "
             f"{p50:11.1f}  {p99:11.1f}  {loaded / 1e6:9.1f}  {offloaded / 1e6:12.1f}  "
             + (f"{loaded / seconds / 1e9:9.2f}" if seconds > 0 else "        -")
+            + (f"  {out_bw:12.2f}" if out_bw is not None else "             -")
         )
         histories = [h + out + turn(args.turn_len) for h, out in zip(histories, outputs)]
     print(f"decode {c.generation_tokens} tokens in {c.decode_seconds + c.prefill_seconds:.2f} s of steps")

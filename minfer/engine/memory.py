@@ -3,6 +3,7 @@
 On CUDA:
     budget         = total * mem_fraction
     kv_pool_bytes  = budget - in_use_before - weights - activation_reserve - graph_reserve
+                     - host_staging   (the host KV tier's transfer buffers, when it is on)
     kv_pool_tokens = kv_pool_bytes // kv_bytes_per_token
 where `in_use_before` is memory other processes (and the CUDA context) held before minfer
 loaded anything, `weights` is measured after loading, `activation_reserve` is the peak
@@ -19,6 +20,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from minfer.config import CPU_DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_RUNNING_REQUESTS
+from minfer.kvcache.host_pool import host_pool_pages
+from minfer.kvcache.host_tier import staging_bytes
 from minfer.layers.moe import expert_weight_bytes
 
 GiB = 1 << 30
@@ -43,6 +46,7 @@ class MemoryBudget:
     host_kv_tokens: int = 0  # the host KV tier (--host-kv-cache-gb); 0: off
     host_kv_bytes: int = 0
     host_available_bytes: int = 0  # host RAM still available once the tier is allocated
+    host_staging_bytes: int = 0  # device staging buffers of the host tier's transfers
 
     @property
     def weights_text(self) -> str:
@@ -69,7 +73,9 @@ class MemoryBudget:
         return (
             f"; host KV tier {self.host_kv_bytes / GiB:.2f} GiB of {where} = {self.host_kv_tokens} tokens "
             f"({self.host_kv_tokens / max(1, self.kv_pool_tokens):.1f}x the device pool), "
-            f"{self.host_available_bytes / GiB:.2f} GiB host RAM left available"
+            f"{self.host_available_bytes / GiB:.2f} GiB host RAM left available; "
+            f"transfer staging {self.host_staging_bytes / GiB:.2f} GiB"
+            + (" of device memory (set aside before the KV pool)" if self.device == "cuda" else "")
         )
 
     def _describe_device(self, max_model_len: int) -> str:
@@ -112,6 +118,7 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
     weights = _param_bytes(engine.model)
     experts = expert_weight_bytes(engine.model)
     per_token = engine.kv_bytes_per_token
+    staging = host_staging_bytes(cfg, per_token)
     if engine.device.type != "cuda":
         tokens = cfg.kv_cache_tokens or CPU_DEFAULT_KV_CACHE_TOKENS
         overridden = cfg.kv_cache_tokens is not None
@@ -128,6 +135,7 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
             overridden,
             expert_weights_bytes=experts,
             kv_cache_dtype=cfg.kv_cache_dtype,
+            host_staging_bytes=staging,
         )
     total = torch.cuda.mem_get_info(engine.device)[1]
     activation = profile_activation_peak(engine)
@@ -135,7 +143,7 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
     if cfg.kv_cache_tokens:
         tokens = cfg.kv_cache_tokens
     else:
-        kv_bytes = int(total * cfg.mem_fraction) - in_use_before - weights - activation - graphs
+        kv_bytes = int(total * cfg.mem_fraction) - in_use_before - weights - activation - graphs - staging
         if kv_bytes < per_token * engine.max_model_len // 8:
             raise RuntimeError(
                 f"not enough device memory for a KV pool: {kv_bytes / GiB:.2f} GiB left after weights "
@@ -157,7 +165,18 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
         tp_size=engine.tp.size,
         expert_weights_bytes=experts,
         kv_cache_dtype=cfg.kv_cache_dtype,
+        host_staging_bytes=staging,
     )
+
+
+def host_staging_bytes(cfg, bytes_per_token: int) -> int:
+    """The host KV tier's device staging buffers (kvcache/host_tier.py), 0 when the tier is off."""
+    pages = (
+        host_pool_pages(cfg.host_kv_cache_gb, bytes_per_token, cfg.page_size)
+        if cfg.host_kv_cache_gb > 0
+        else 0
+    )
+    return staging_bytes(bytes_per_token * cfg.page_size, pages) if pages else 0
 
 
 def graph_reserve(engine) -> int:

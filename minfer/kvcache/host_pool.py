@@ -1,10 +1,12 @@
-"""The host KV pool: the second cache tier's storage, one K and one V tensor per layer in host memory.
+"""The host KV pool: the second cache tier's storage, page-major raw bytes in host memory.
 
-Rows mirror the device pool's (minfer/kvcache/pool.py) exactly: same per-layer row shape and the
-same dtype as the device tensors hold, whatever that is (a low-bit cache stores raw rows, so
-pages move between tiers as raw bytes and nothing is ever decoded on the way). On CUDA the
-tensors are pinned so host<->device copies are asynchronous DMA transfers; on CPU they are
-plain tensors and the same code copies synchronously.
+Host page p is ONE contiguous block `data[p]` of `page_bytes` holding every layer's K and V
+rows of its `page_size` slots, laid out [layer, k|v, slot in page, row bytes]. A run of
+consecutive host pages is therefore one contiguous range, copied to or from the device in a
+single transfer (minfer/kvcache/host_tier.py), where a per-layer layout would need one copy
+per layer and K/V. The bytes are the device pool's rows as stored (any dtype: an fp8 cache's
+raw bytes), so a page round-trips bit for bit and nothing is decoded on the way. On CUDA the
+block is pinned so copies are asynchronous DMA transfers; on CPU it is a plain tensor.
 """
 
 from __future__ import annotations
@@ -37,20 +39,55 @@ def row_bytes(device_pool: KVPool) -> int:
     return sum(t[0].numel() * t.element_size() for t in (*device_pool.k, *device_pool.v))
 
 
+def layer_row_bytes(device_pool: KVPool) -> int:
+    """Bytes of one token's K (or V) row in one layer (every layer's rows have one shape)."""
+    return device_pool.k[0][0].numel() * device_pool.k[0].element_size()
+
+
+def transfer_word(device_pool: KVPool) -> torch.dtype:
+    """The widest integer type a row's bytes divide into: device-side scatters and gathers move
+    raw rows as these words, 8x fewer elements than bytes (the values are never read as such)."""
+    rb = layer_row_bytes(device_pool)
+    return next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if rb % w.itemsize == 0)
+
+
+def device_page_views(device_pool: KVPool, page_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's K and V tensor seen as raw pages [num_rows / page_size, page_size, row words]
+    (views of the same memory, see transfer_word): what a transfer scatters into and gathers from."""
+    word = transfer_word(device_pool)
+    words = layer_row_bytes(device_pool) // word.itemsize
+
+    def pages(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8).view(-1, page_size, words * word.itemsize).view(word)
+
+    return [pages(t) for t in device_pool.k], [pages(t) for t in device_pool.v]
+
+
 class HostKVPool:
     """Host pages of `page_size` slots; `allocator` hands them out like the device allocator."""
 
     def __init__(self, device_pool: KVPool, num_slots: int, page_size: int, pin: bool):
         self.num_slots = num_slots
         self.page_size = page_size
+        self.num_pages = num_slots // page_size
         self.bytes_per_token = row_bytes(device_pool)
-        self.allocator = PageAllocator(num_slots // page_size, page_size)
+        self.page_bytes = self.bytes_per_token * page_size
+        self.allocator = PageAllocator(self.num_pages, page_size)
+        # [page, layer, k|v, slot, row words]: what `page_layout` reshapes a run of pages to.
+        self.word = transfer_word(device_pool)
+        row_words = layer_row_bytes(device_pool) // self.word.itemsize
+        self.page_shape = (device_pool.num_layers, 2, page_size, row_words)
+        self.data = torch.zeros((self.num_pages, self.page_bytes), dtype=torch.uint8, pin_memory=pin)
+        # The same bytes typed as the device pool stores them, for reading (tests, debugging).
+        kv_shape = (device_pool.num_kv_heads, device_pool.head_dim)
+        self.pages = self.data.view(device_pool.storage_dtype).view(
+            self.num_pages, device_pool.num_layers, 2, page_size, *kv_shape
+        )
 
-        def mirror(t: torch.Tensor) -> torch.Tensor:
-            return torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
-
-        self.k = [mirror(t) for t in device_pool.k]
-        self.v = [mirror(t) for t in device_pool.v]
+    def page_layout(self, block: torch.Tensor) -> torch.Tensor:
+        """A [n, page_bytes] uint8 block (host pages or a device staging buffer) as [n, layer,
+        k|v, slot, row words]: `[:, layer, 0]` is layer's K rows of those pages."""
+        return block.view(self.word).view(block.shape[0], *self.page_shape)
 
     @property
     def num_bytes(self) -> int:
@@ -66,9 +103,14 @@ class HostKVPool:
             raise ConfigError(
                 f"--host-kv-cache-gb={gib}: the host has only {available / GiB:.2f} GiB available"
             )
-        num_slots = want // per_token // page_size * page_size
+        num_slots = host_pool_pages(gib, per_token, page_size) * page_size
         if num_slots == 0:
             raise ConfigError(
                 f"--host-kv-cache-gb={gib} holds no page ({page_size} tokens x {per_token} B/token)"
             )
         return cls(device_pool, num_slots, page_size, pin)
+
+
+def host_pool_pages(gib: float, bytes_per_token: int, page_size: int) -> int:
+    """Whole pages a host pool of `gib` GiB holds."""
+    return int(gib * GiB) // bytes_per_token // page_size

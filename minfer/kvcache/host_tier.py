@@ -1,19 +1,43 @@
 """Moving KV pages between the device pool and the host pool, and counting what moved.
 
-Pages are copied as raw tensor rows (`dst.k[layer][a:b].copy_(src.k[layer][c:d])`), never
-through `KVPool.gather`, so whatever the pool stores (a low-bit cache included) comes back
-bit for bit. Runs of consecutive slots on both sides go in one copy per layer and tensor.
+A transfer moves whole pages as raw bytes (never through `KVPool.gather`, so whatever the pool
+stores, an fp8 cache included, comes back bit for bit), through a device staging buffer laid
+out like host pages (minfer/kvcache/host_pool.py: one page = one contiguous block across all
+layers). Pages are sorted by host page, so each run of consecutive host pages is ONE
+host<->device copy whatever the device pages are; the device side is one `index_copy_` (load)
+or `index_select` (offload) per layer and K/V, moving rows as 8-byte words where they divide.
+A transfer bigger than a staging buffer goes in chunks of `staging_pages`.
 
-Ordering on CUDA, the whole argument for correctness:
-  - offloads run on the current (compute) stream: they read a page after every pass already
-    queued that writes it, and a pass queued later that reuses the freed page writes it after
-    the copy has read it. Nothing on the CPU ever reads the pinned destination;
-  - a load runs on its own stream, which first waits for everything queued on the compute
-    stream so far (earlier offloads into the host pages it reads, earlier passes still using
-    the device pages it was just given). Passes queued afterwards overlap with it. The
-    scheduler runs a request only once its load's event has completed (`done`), and any
-    eviction of a node whose load is still in flight waits for it first (`wait`).
-On CPU every copy is synchronous and `load` returns no pending load.
+  load     host --H2D (one copy per host run)--> load staging --index_copy_--> device pool
+  offload  device pool --index_select--> offload staging --D2H (one per host run)--> host
+
+Ordering on CUDA, the whole argument for correctness. Three streams: the compute stream (the
+current stream: forward passes, and the offload gathers), the load stream, the offload stream.
+  1. An offload's gather runs on the compute stream: it reads a device page after every pass
+     already queued that writes it, and a pass queued later that reuses the freed page writes
+     it after the gather has read it. The device pages are free for reuse at once.
+  2. Its D2H runs on the offload stream after an event recorded behind the gather, so it reads
+     the staging buffer once the gather has filled it; passes queued later overlap with it.
+  3. The two offload staging buffers alternate. Before the compute stream gathers into one it
+     waits (on the GPU, never on the CPU) for the event recorded behind that buffer's last D2H,
+     so a gather never overwrites bytes still being copied out.
+  4. A load first makes the load stream wait for everything queued so far on the compute stream
+     (passes still using the device pages it was just given; gathers of pages since freed) and
+     on the offload stream (D2H copies into the host pages it reads). Passes queued afterwards
+     overlap with it. Its H2D copies and scatters use the one load staging buffer in stream
+     order, so a chunk's H2D cannot overwrite the previous chunk before its scatter read it.
+  5. The scheduler runs a request only once its load's end event has completed (`done`), and
+     any eviction of a node whose load is still in flight waits for it first (`wait`), so a
+     device page (or the host page it came from) never changes hands under a copy.
+  6. Host pages are written only by D2H copies on the offload stream, in issue order, and read
+     only by loads, which rule 4 orders after every offload issued before them; the CPU never
+     reads them. A host page is freed only after the load reading it finished (rule 5).
+  7. Index tensors go to the device through pinned memory with non-blocking copies on the
+     stream that uses them: a blocking copy would stall the CPU until that stream caught up.
+     Staging buffers and the device pool are marked used by the side streams (record_stream),
+     so memory freed at shutdown is not handed out again before those streams are done.
+On CPU the same code runs synchronously (the staging buffers are host tensors) and `load`
+returns no pending load.
 """
 
 from __future__ import annotations
@@ -23,9 +47,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minfer.kvcache.host_pool import HostKVPool
+from minfer.kvcache.host_pool import HostKVPool, device_page_views
 from minfer.kvcache.pool import KVPool
 from minfer.observability.metric_names import HOST_LOAD_BUCKETS
+
+# Bytes of one staging buffer. Each chunk costs one kernel per layer and K/V on the device
+# side; at 128 MiB a chunk's H2D (~2.4 ms at 55 GB/s) dwarfs Llama-8B's 64 scatter kernels.
+STAGING_BYTES = 128 << 20
+STAGING_BUFFERS = 3  # one for loads (one stream: used in order), two alternating for offloads
+
+
+def staging_pages(page_bytes: int, host_pages: int) -> int:
+    """Pages one staging buffer holds: STAGING_BYTES' worth, at least one, at most the host pool."""
+    return max(1, min(host_pages, STAGING_BYTES // page_bytes))
+
+
+def staging_bytes(page_bytes: int, host_pages: int) -> int:
+    """Device bytes the tier's staging buffers take (the memory budget sets them aside)."""
+    return STAGING_BUFFERS * staging_pages(page_bytes, host_pages) * page_bytes
 
 
 @dataclass
@@ -41,6 +80,9 @@ class HostTierCounters:
     load_waits: int = 0  # times a request was passed over because its load was still in flight
     load_seconds_sum: float = 0.0
     load_seconds_buckets: list[int] = field(default_factory=lambda: [0] * len(HOST_LOAD_BUCKETS))
+    offload_copies: int = 0  # offload chunks whose D2H time is known (finished)
+    offload_bytes_timed: int = 0  # their bytes: offload bandwidth = this / offload_seconds_sum
+    offload_seconds_sum: float = 0.0  # CUDA: the D2H copies on the offload stream; CPU: the copy
 
     def observe_load(self, seconds: float) -> None:
         self.loads += 1
@@ -60,6 +102,14 @@ class PendingLoad:
     observed: bool = False
 
 
+@dataclass
+class OffloadStaging:
+    """An offload staging buffer and the event behind its last D2H copy (None: never used)."""
+
+    buffer: torch.Tensor
+    drained: torch.cuda.Event | None = None
+
+
 def copy_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """(src start, dst start, length) of the maximal runs consecutive on both sides."""
     runs: list[tuple[int, int, int]] = []
@@ -72,28 +122,125 @@ def copy_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 
 
 class HostTier:
-    """The device pool, its host mirror, and the copies between them."""
+    """The device pool, its host mirror, the staging buffers and the copies between them."""
 
-    def __init__(self, device_pool: KVPool, host_pool: HostKVPool):
+    def __init__(
+        self, device_pool: KVPool, host_pool: HostKVPool, staging_pages_per_buffer: int | None = None
+    ):
         self.device_pool = device_pool
         self.host = host_pool
-        self.cuda = device_pool.k[0].is_cuda
-        self.load_stream = torch.cuda.Stream(device_pool.k[0].device) if self.cuda else None
+        self.page_size = host_pool.page_size
+        self.device = device_pool.k[0].device
+        self.cuda = self.device.type == "cuda"
+        self.dev_k, self.dev_v = device_page_views(device_pool, self.page_size)
+        self.staging_pages = staging_pages_per_buffer or staging_pages(
+            host_pool.page_bytes, host_pool.num_pages
+        )
+        shape = (self.staging_pages, host_pool.page_bytes)
+
+        def buffer() -> torch.Tensor:
+            return torch.empty(shape, dtype=torch.uint8, device=self.device)
+
+        self.load_staging = buffer()
+        self.offload_staging = [OffloadStaging(buffer()), OffloadStaging(buffer())]
+        self.staging_bytes = STAGING_BUFFERS * self.staging_pages * host_pool.page_bytes
+        self._next_offload = 0
+        self.load_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.offload_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        if self.cuda:  # memory these streams use is not reused, once freed, before they are done
+            for t in (self.load_staging, *device_pool.k, *device_pool.v):
+                t.record_stream(self.load_stream)
+            for staging in self.offload_staging:
+                staging.buffer.record_stream(self.offload_stream)
+        self._offload_timings: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
         self.counters = HostTierCounters()
         self._seq = 0
 
-    def _copy(self, src_pool, dst_pool, src: list[int], dst: list[int]) -> None:
-        runs = copy_runs(src, dst)
-        for src_layers, dst_layers in ((src_pool.k, dst_pool.k), (src_pool.v, dst_pool.v)):
-            for s_t, d_t in zip(src_layers, dst_layers):
-                for s, d, n in runs:
-                    d_t[d : d + n].copy_(s_t[s : s + n], non_blocking=self.cuda)
+    # -- the two directions, chunk by chunk ------------------------------------------------------
+    def _pages(self, host_slots: list[int], device_slots: list[int]) -> tuple[list[int], list[int]]:
+        """(host pages, device pages) of whole-page slot lists, paired, sorted by host page."""
+        ps = self.page_size
+        pairs = sorted(zip(host_slots[::ps], device_slots[::ps]))
+        assert len(host_slots) == len(device_slots) == len(pairs) * ps, "transfers move whole pages"
+        assert all(h % ps == 0 and d % ps == 0 for h, d in pairs), "a page's slots start at a page"
+        return [h // ps for h, _ in pairs], [d // ps for _, d in pairs]
 
+    def _index(self, pages: list[int]) -> torch.Tensor:
+        index = torch.tensor(pages, dtype=torch.long)
+        return index.pin_memory().to(self.device, non_blocking=True) if self.cuda else index
+
+    def _host_runs(self, host_pages: list[int]) -> list[tuple[int, int, int]]:
+        """(host page, staging row, pages) of each run of consecutive host pages of a chunk."""
+        return copy_runs(host_pages, list(range(len(host_pages))))
+
+    def _load_pages(self, host_pages: list[int], device_pages: list[int]) -> None:
+        """Host -> load staging -> device pool, on the current stream (rule 4)."""
+        for at in range(0, len(host_pages), self.staging_pages):
+            chunk = host_pages[at : at + self.staging_pages]
+            staged = self.load_staging[: len(chunk)]
+            for h, row, n in self._host_runs(chunk):
+                staged[row : row + n].copy_(self.host.data[h : h + n], non_blocking=self.cuda)
+            index = self._index(device_pages[at : at + len(chunk)])
+            layout = self.host.page_layout(staged)
+            for layer, (k, v) in enumerate(zip(self.dev_k, self.dev_v)):
+                k.index_copy_(0, index, layout[:, layer, 0])
+                v.index_copy_(0, index, layout[:, layer, 1])
+
+    def _offload_pages(self, device_pages: list[int], host_pages: list[int]) -> None:
+        """Device pool -> offload staging (compute stream) -> host (offload stream), rules 1-3."""
+        for at in range(0, len(host_pages), self.staging_pages):
+            chunk = host_pages[at : at + self.staging_pages]
+            staging = self.offload_staging[self._next_offload]
+            self._next_offload = 1 - self._next_offload
+            if staging.drained is not None:  # rule 3: its previous D2H has read it
+                torch.cuda.current_stream(self.device).wait_event(staging.drained)
+            staged = staging.buffer[: len(chunk)]
+            index = self._index(device_pages[at : at + len(chunk)])
+            layout = self.host.page_layout(staged)
+            for layer, (k, v) in enumerate(zip(self.dev_k, self.dev_v)):
+                layout[:, layer, 0].copy_(k.index_select(0, index))
+                layout[:, layer, 1].copy_(v.index_select(0, index))
+            if not self.cuda:
+                self._write_host(chunk, staged)
+                continue
+            gathered = torch.cuda.Event()
+            gathered.record()  # on the compute stream, behind the gather
+            self.offload_stream.wait_event(gathered)  # rule 2
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.offload_stream):
+                start.record()
+                self._write_host(chunk, staged)
+                end.record()
+            staging.drained = end
+            self._offload_timings.append((start, end, len(chunk) * self.host.page_bytes))
+
+    def _write_host(self, host_pages: list[int], staged: torch.Tensor) -> None:
+        for h, row, n in self._host_runs(host_pages):
+            self.host.data[h : h + n].copy_(staged[row : row + n], non_blocking=self.cuda)
+
+    def _copy(self, src_pool, dst_pool, src: list[int], dst: list[int]) -> None:
+        """One synchronous transfer between the pools, either way (the CPU path; a test's
+        deferred load lands through here)."""
+        if src_pool is self.host:
+            self._load_pages(*self._pages(src, dst))
+        else:
+            host_pages, device_pages = self._pages(dst, src)
+            self._offload_pages(device_pages, host_pages)
+
+    # -- the interface the radix tree uses ---------------------------------------------------------
     def offload(self, device_slots: list[int], host_slots: list[int]) -> None:
-        """Device -> host, queued on the compute stream (see the module docstring)."""
-        self._copy(self.device_pool, self.host, device_slots, host_slots)
-        self.counters.tokens_offloaded += len(device_slots)
-        self.counters.bytes_offloaded += len(device_slots) * self.host.bytes_per_token
+        """Device -> host: gathered on the compute stream, copied out on the offload stream."""
+        self._observe_offloads()  # here too, so the timings in flight stay few without loads
+        host_pages, device_pages = self._pages(host_slots, device_slots)
+        c = self.counters
+        start = time.perf_counter()
+        self._offload_pages(device_pages, host_pages)
+        if not self.cuda:
+            c.offload_copies += 1
+            c.offload_bytes_timed += len(device_slots) * self.host.bytes_per_token
+            c.offload_seconds_sum += time.perf_counter() - start
+        c.tokens_offloaded += len(device_slots)
+        c.bytes_offloaded += len(device_slots) * self.host.bytes_per_token
 
     def load(self, host_slots: list[int], device_slots: list[int]) -> PendingLoad | None:
         """Host -> device; on CUDA queued on the load stream, returning what to wait for."""
@@ -101,22 +248,25 @@ class HostTier:
         c.hits += 1
         c.tokens_loaded += len(host_slots)
         c.bytes_loaded += len(host_slots) * self.host.bytes_per_token
+        host_pages, device_pages = self._pages(host_slots, device_slots)
         if not self.cuda:
             start = time.perf_counter()
-            self._copy(self.host, self.device_pool, host_slots, device_slots)
+            self._load_pages(host_pages, device_pages)
             c.observe_load(time.perf_counter() - start)
             return None
-        self.load_stream.wait_stream(torch.cuda.current_stream())
+        self.load_stream.wait_stream(torch.cuda.current_stream(self.device))  # rule 4
+        self.load_stream.wait_stream(self.offload_stream)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.load_stream):
             start.record()
-            self._copy(self.host, self.device_pool, host_slots, device_slots)
+            self._load_pages(host_pages, device_pages)
             end.record()
         self._seq += 1
         return PendingLoad(self._seq, start, end)
 
     def done(self, load: PendingLoad | None) -> bool:
         """Whether the load has finished (never blocks); records its time once."""
+        self._observe_offloads()
         if load is None:
             return True
         if not load.end.query():
@@ -131,7 +281,23 @@ class HostTier:
             load.end.synchronize()
             self._observe(load)
 
+    def synchronize(self) -> None:
+        """Block until every queued copy has finished and its time is counted (benchmarks)."""
+        if self.cuda:
+            self.load_stream.synchronize()
+            self.offload_stream.synchronize()
+            self._observe_offloads()
+
     def _observe(self, load: PendingLoad) -> None:
         if not load.observed:
             load.observed = True
             self.counters.observe_load(load.start.elapsed_time(load.end) / 1000.0)
+
+    def _observe_offloads(self) -> None:
+        """Count the D2H time of finished offload chunks (in issue order: one stream)."""
+        c = self.counters
+        while self._offload_timings and self._offload_timings[0][1].query():
+            start, end, num_bytes = self._offload_timings.pop(0)
+            c.offload_copies += 1
+            c.offload_bytes_timed += num_bytes
+            c.offload_seconds_sum += start.elapsed_time(end) / 1000.0

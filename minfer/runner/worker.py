@@ -145,6 +145,7 @@ class SchedulerLoop:
             "free_pages": host.allocator.num_free_pages,
             "cached_pages": kv.prefix_cache.host_pages,
             "pinned": kv.host_tier.cuda,
+            "staging_bytes": kv.host_tier.staging_bytes,  # device memory of its transfer buffers
         }
 
 

@@ -46,6 +46,12 @@ def test_server_info_reports_the_host_tier(server):
     assert "host KV tier" in info["memory_line"] and "left available" in info["memory_line"]
 
 
+def test_server_info_reports_the_staging_buffers(server):
+    info = server.info()
+    assert info["host_kv_pool"]["staging_bytes"] == info["memory"]["host_staging_bytes"] > 0
+    assert "transfer staging" in info["memory_line"]
+
+
 def test_metrics_count_offloads_and_loads(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
