@@ -92,8 +92,8 @@ def test_rope_store_writes_what_kvpool_store_writes(dtype, num_heads, num_kv_hea
         k_pool,
         v_pool,
         out_loc.to(torch.int32).to(device),
-        k_scale=pool.k_scale[0],
-        v_scale=pool.v_scale[0],
+        k_scale=pool.k_scale[0].to(device),  # the CPU pool's scales, on the kernel's device
+        v_scale=pool.v_scale[0].to(device),
     )
     assert k_pool.dtype == FP8
     # V is a plain quantized copy: bit for bit. K went through RoPE, whose bf16 result may be a
