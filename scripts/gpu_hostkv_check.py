@@ -136,6 +136,21 @@ def converse(
     return run
 
 
+def print_timeline(run: Run, path: str, last: int) -> None:
+    """Each of the last `last` requests' events, in ms from its first: where a TTFT goes."""
+    from minfer.observability.trace import read_trace
+
+    run.llm.scheduler.tracer.flush()
+    by_uid: dict[int, list[dict]] = {}
+    for e in read_trace(path):
+        by_uid.setdefault(e["uid"], []).append(e)
+    for uid in sorted(by_uid)[-last:]:
+        events = by_uid[uid]
+        t0 = events[0]["ts"]
+        steps = [f"{e['event']}@{1000 * (e['ts'] - t0):.1f}" for e in events[:14]]
+        print(f"TIMELINE uid {uid}: " + " ".join(steps))
+
+
 def release(run: Run, cuda: bool) -> None:
     tier = run.llm.scheduler.kv.host_tier
     if tier is not None:
@@ -188,6 +203,10 @@ def main() -> int:
         "--dtype", default="float32", help="float32 keeps batched kernels' numerics out of the comparison"
     )
     p.add_argument("--conversations", type=int, default=10)
+    p.add_argument("--figures-only", action="store_true", help="skip the checks (1 and 2)")
+    p.add_argument(
+        "--timeline", action="store_true", help="trace the tiered figures run; print round 5's events"
+    )
     p.add_argument("--clients", type=int, default=2, help="conversations in flight at a time in the figures")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--first-len", type=int, default=1024)
@@ -223,68 +242,72 @@ def main() -> int:
             temperature=0.8, top_p=0.95, seed=r, max_tokens=answer_len, ignore_eos=True
         )
 
-    # 1. one request at a time: identical batches, so outputs must be bit-identical.
-    n_check = args.check_conversations
-    for name, params_of in (
-        ("greedy", greedy(args.check_answer_len)),
-        ("seeded", seeded(args.check_answer_len)),
-    ):
-        want = converse(args, params_of, n_check, 2 * working, 0.0, 1)
-        release(want, cuda)
-        got = converse(args, params_of, n_check, small, args.host_gb, 1)
-        report(
-            f"outputs equal the unconstrained pool ({name})",
-            got.outputs == want.outputs,
-            f"{sum(a == b for a, b in zip(got.outputs, want.outputs))}/{len(want.outputs)}",
-        )
-        short = [
-            (r, got.hits[r], got.wholes[r]) for r in range(1, args.rounds) if got.hits[r] != got.wholes[r]
-        ]
-        report(f"rounds >= 2 hit their whole history ({name})", not short, f"short rounds: {short[:3]}")
-        c = got.llm.scheduler.kv.host_tier.counters
-        report(f"the host tier was used ({name})", c.hits > 0 and c.bytes_offloaded > 0, f"{c.hits} loads")
-        if cuda:
-            report(f"pinned host pool ({name})", got.llm.engine.host_kv_pool.data.is_pinned())
-        release(got, cuda)
+    if not args.figures_only:  # 1 and 2: the checks
+        # 1. one request at a time: identical batches, so outputs must be bit-identical.
+        n_check = args.check_conversations
+        for name, params_of in (
+            ("greedy", greedy(args.check_answer_len)),
+            ("seeded", seeded(args.check_answer_len)),
+        ):
+            want = converse(args, params_of, n_check, 2 * working, 0.0, 1)
+            release(want, cuda)
+            got = converse(args, params_of, n_check, small, args.host_gb, 1)
+            report(
+                f"outputs equal the unconstrained pool ({name})",
+                got.outputs == want.outputs,
+                f"{sum(a == b for a, b in zip(got.outputs, want.outputs))}/{len(want.outputs)}",
+            )
+            short = [
+                (r, got.hits[r], got.wholes[r]) for r in range(1, args.rounds) if got.hits[r] != got.wholes[r]
+            ]
+            report(f"rounds >= 2 hit their whole history ({name})", not short, f"short rounds: {short[:3]}")
+            c = got.llm.scheduler.kv.host_tier.counters
+            report(
+                f"the host tier was used ({name})", c.hits > 0 and c.bytes_offloaded > 0, f"{c.hits} loads"
+            )
+            if cuda:
+                report(f"pinned host pool ({name})", got.llm.engine.host_kv_pool.data.is_pinned())
+            release(got, cuda)
 
-    # 2. concurrent conversations: loads in flight while other requests run; every check on.
-    trace = os.path.join(tempfile.mkdtemp(), "trace.jsonl")
-    try:
-        checked = converse(
-            args,
-            greedy(args.answer_len),
-            args.conversations,
-            small,
-            args.host_gb,
-            args.conversations,
-            trace,
+        # 2. concurrent conversations: loads in flight while other requests run; every check on.
+        trace = os.path.join(tempfile.mkdtemp(), "trace.jsonl")
+        try:
+            checked = converse(
+                args,
+                greedy(args.answer_len),
+                args.conversations,
+                small,
+                args.host_gb,
+                args.conversations,
+                trace,
+                True,
+            )
+        except KVInvariantError as e:
+            report("page invariant after every step (concurrent)", False, str(e))
+            return 1
+        c = checked.llm.scheduler.kv.host_tier.counters
+        report(
+            "page invariant after every step (concurrent)",
             True,
+            f"{c.hits} loads, {c.load_waits} polls in flight",
         )
-    except KVInvariantError as e:
-        report("page invariant after every step (concurrent)", False, str(e))
-        return 1
-    c = checked.llm.scheduler.kv.host_tier.counters
-    report(
-        "page invariant after every step (concurrent)",
-        True,
-        f"{c.hits} loads, {c.load_waits} polls in flight",
-    )
-    if cuda:  # the waiting logic itself is tested on CPU (tests/deferred_load_tier.py)
-        print(f"FIGURE polls that found a load still in flight: {c.load_waits} of {c.hits} loads")
-    checked.llm.scheduler.tracer.flush()
-    rep = check_file(trace)
-    report(
-        "minfer trace check (loaded prefixes are the offloaded ones)",
-        rep.ok,
-        format_report(rep).splitlines()[-1],
-    )
-    release(checked, cuda)
+        if cuda:  # the waiting logic itself is tested on CPU (tests/deferred_load_tier.py)
+            print(f"FIGURE polls that found a load still in flight: {c.load_waits} of {c.hits} loads")
+        checked.llm.scheduler.tracer.flush()
+        rep = check_file(trace)
+        report(
+            "minfer trace check (loaded prefixes are the offloaded ones)",
+            rep.ok,
+            format_report(rep).splitlines()[-1],
+        )
+        release(checked, cuda)
 
     # 3. figures: the same workload with and without the tier, no checks or tracing.
     plain = converse(
         args, greedy(args.answer_len), args.conversations, small, 0.0, args.clients, clients=args.clients
     )
     release(plain, cuda)
+    timeline = os.path.join(tempfile.mkdtemp(), "timeline.jsonl") if args.timeline else None
     tiered = converse(
         args,
         greedy(args.answer_len),
@@ -292,8 +315,11 @@ def main() -> int:
         small,
         args.host_gb,
         args.clients,
+        timeline,
         clients=args.clients,
     )
+    if timeline:
+        print_timeline(tiered, timeline, 2 * args.clients)
     tier = tiered.llm.scheduler.kv.host_tier
     tier.synchronize()
     c = tier.counters
