@@ -10,6 +10,7 @@ from test_gguf import private_cache, tiny_model, write_gguf  # noqa: F401 - priv
 
 from minfer.config import ConfigError
 from minfer.layers.quantized_linear import (
+    dense_dtype,
     dequantize_int4,
     int4_from_blocks,
     quantize_int4,
@@ -55,7 +56,8 @@ def test_gguf_blocks_are_the_dequantized_weights(tmp_path, qtype):
 def test_quantized_layers_match_their_float_matrix(tmp_path, method, qtype):
     """Every linear layer's low-bit kernel (bfloat16 activations) against a float32 matmul of
     the weights it stands for: within 1% of the output's largest magnitude (bfloat16 keeps 8
-    bits); prefill-sized inputs take the float matrix itself."""
+    bits); prefill-sized inputs take the dense matrix: float32, or bfloat16 where the CPU
+    multiplies it natively (then its activations are bfloat16 too)."""
     config, state = tiny_model("llama", tied=True)
     path = write_gguf(tmp_path / "tiny.gguf", "llama", config, state, qtype)
     source = resolve_model(path)
@@ -65,10 +67,13 @@ def test_quantized_layers_match_their_float_matrix(tmp_path, method, qtype):
     layers = linear_layers(model)
     assert layers and all(layer.low_bit is not None for _, layer in layers)
     for _, layer in layers:
+        assert layer.weight.dtype == dense_dtype()
         x = torch.randn(2, layer.weight.shape[1])
-        assert _relative_error(layer(x), F.linear(x, layer.weight)) < 1e-2
+        assert _relative_error(layer(x), F.linear(x, layer.weight.float())) < 1e-2
         long = torch.randn(40, layer.weight.shape[1])
-        torch.testing.assert_close(layer(long), F.linear(long, layer.weight))
+        want = F.linear(long.to(dense_dtype()), layer.weight).float()
+        torch.testing.assert_close(layer(long), want, rtol=0, atol=0)
+        assert _relative_error(layer(long), F.linear(long, layer.weight.float())) < 1e-2
 
 
 def test_quantize_at_load_stays_near_the_float_weights():
