@@ -6,7 +6,7 @@
   int8   any checkpoint: symmetric int8, one scale per output channel
 Each layer also keeps a dense matrix of the weights its low-bit form stands for, for prefill
 and large decode batches: bfloat16 where the CPU multiplies it natively, else float32 (see
-minfer/layers/quantized_linear.py). The embedding stays float32; the LM head gets int8 and
+minfer/layers/quantized_linear.py). The embedding stays float32; the LM head gets int4 and
 bfloat16 copies of it whose top logits are recomputed from it (minfer/layers/quantized_head.py).
 MINFER_LOW_BIT_HEAD=float32 keeps the float32 head, for A/B measurements.
 """
@@ -21,7 +21,7 @@ from torch import nn
 
 from minfer.config import QUANTIZATION_METHODS, ConfigError
 from minfer.layers.linear import ColumnParallelLinear, RowParallelLinear
-from minfer.layers.quantized_head import HEAD_INT8_MAX_ROWS, LowBitHead
+from minfer.layers.quantized_head import HEAD_LOW_BIT_MAX_ROWS, LowBitHead
 from minfer.layers.quantized_linear import (
     BF16_DENSE_MAX_ROWS,
     LowBitWeight,
@@ -100,10 +100,11 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None = None) 
 
 
 def _low_bit_head(weight: torch.Tensor) -> LowBitHead:
-    # A GGUF token_embd of Q8_0 has per-32 blocks, which no kernel takes: per-channel int8 of
-    # the same float32 weights (the float32 refinement of the top logits covers the difference).
-    low_bit, _ = quantize_int8(weight)
-    low_bit.max_rows = HEAD_INT8_MAX_ROWS
+    # 4-bit blocks of 32 computed from the float32 matrix (a GGUF token_embd is Q8_0, whose
+    # per-32 int8 blocks no kernel takes); the float32 refinement of the top logits covers the
+    # difference where it matters.
+    low_bit = int4_from_blocks(*quantize_int4(weight))
+    low_bit.max_rows = HEAD_LOW_BIT_MAX_ROWS
     return LowBitHead(low_bit, weight.to(dense_dtype()), weight)
 
 
