@@ -19,7 +19,7 @@ from minfer.layers.quantized_linear import (
 from minfer.models import gguf as mg
 from minfer.models.gguf_blocks import gguf_blocks
 from minfer.models.loader import build_model, load_hf_config, resolve_model
-from minfer.models.quantize import check_quantization, linear_layers
+from minfer.models.quantize import check_quantization, decode_weight_bytes, linear_layers
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -93,3 +93,29 @@ def test_unfit_quantization_is_refused():
     with pytest.raises(ConfigError, match="--tp 1"):
         check_quantization("int8", "gguf", "cpu", 2)
     assert check_quantization(None, "safetensors", "cuda", 4) == "none"
+
+
+def test_none_keeps_the_float32_model_and_quantized_decode_reads_less(tmp_path):
+    """--quantization none leaves every matrix float32 and every layer and the head on their
+    float path; gguf gives the head its low-bit form too, and a decode step reads less."""
+    config, state = tiny_model("llama", tied=True)
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", config, state, Q.Q4_1)
+    source = resolve_model(path)
+    models = {
+        method: build_model(
+            source, load_hf_config(source), torch.float32, torch.device("cpu"), quantization=method
+        )
+        for method in ("none", "gguf")
+    }
+    plain = models["none"]
+    assert all(p.dtype == torch.float32 for p in plain.parameters())
+    assert all(m.low_bit is None for _, m in linear_layers(plain)) and plain.lm_head.low_bit is None
+    quantized = models["gguf"]
+    assert quantized.lm_head.low_bit is not None
+    float_bytes = sum(p.numel() * p.element_size() for p in quantized.parameters())
+    head_bytes = quantized.lm_head.weight.numel() * 4
+    assert decode_weight_bytes(quantized, float_bytes) < float_bytes - head_bytes / 2
+    hidden = torch.randn(3, config.hidden_size)
+    torch.testing.assert_close(
+        plain.compute_logits(hidden), F.linear(hidden, plain.lm_head.weight), rtol=0, atol=0
+    )
