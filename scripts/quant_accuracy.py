@@ -5,8 +5,9 @@ For each method (gguf, int4, int8) on the default model (SmolLM2-135M-Instruct Q
     (48 tokens); each path then scores those same answers teacher-forced, and the
     log-probabilities of every answer token are compared with the float path's;
   - the fraction of 20 factual questions whose greedy answers (24 tokens) are identical.
-Scoring runs every row through the low-bit kernel (as decode does), not the float GEMM that
-prefill of more than LOW_BIT_MAX_ROWS rows takes, so the figure measures decode's numerics.
+Each method is measured twice: "decode" runs every row through the low-bit kernels (as a
+decode step of a few requests does: int4/int8 linear layers, the int8 head), "served" as a
+server runs it (prefill and large batches through the dense bfloat16 or float32 matrices).
 Targets (issue 17): <= 0.05 nats per token, >= 90% identical.
     PYTHONPATH=. python3 scripts/quant_accuracy.py [--methods gguf int4 int8]
 """
@@ -80,11 +81,14 @@ PROMPTS = [f"Explain {t} in two sentences." for t in TOPICS] + [
 ]  # 50
 
 
-def make_llm(method: str) -> LLM:
+def make_llm(method: str, all_low_bit: bool = False) -> LLM:
     llm = LLM(quantization=method, kv_cache_tokens=8192, cache="naive", cpu_threads=1)
-    for _, layer in linear_layers(llm.engine.model):
-        if layer.low_bit is not None:
-            layer.low_bit.max_rows = 1 << 30
+    if all_low_bit:
+        head = llm.engine.model.lm_head.low_bit
+        kernels = [layer.low_bit for _, layer in linear_layers(llm.engine.model)]
+        for kernel in kernels + ([head.low_bit] if head is not None else []):
+            if kernel is not None:
+                kernel.max_rows = 1 << 30
     return llm
 
 
@@ -105,6 +109,7 @@ def answer_logprobs(llm: LLM, prompts: list[list[int]], answers: list[list[int]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["gguf", "int4", "int8"])
+    parser.add_argument("--numerics", nargs="+", default=["decode", "served"], choices=["decode", "served"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     base = make_llm("none")
@@ -113,20 +118,21 @@ def main() -> None:
     base_lp = answer_logprobs(base, prompts, answers)
     base_facts = greedy(base, QUESTIONS, 24)
     base.shutdown()
-    print(f"{'method':<8} {'mean |dlogp| nats/token':>24} {'max':>7} {'facts identical':>16}  seconds")
-    for method in args.methods:
+    print(f"{'method':<14} {'mean |dlogp| nats/token':>24} {'max':>7} {'facts identical':>16}  seconds")
+    for method, numerics in [(m, n) for m in args.methods for n in args.numerics]:
         start = time.perf_counter()
-        llm = make_llm(method)
+        llm = make_llm(method, numerics == "decode")
         lp = answer_logprobs(llm, prompts, answers)
         deltas = torch.tensor([abs(a - b) for xs, ys in zip(lp, base_lp) for a, b in zip(xs, ys)])
         facts = greedy(llm, QUESTIONS, 24)
         same = sum(a == b for a, b in zip(facts, base_facts))
+        differ = [QUESTIONS[i] for i, (a, b) in enumerate(zip(facts, base_facts)) if a != b]
         llm.shutdown()
         print(
-            f"{method:<8} {deltas.mean().item():>24.4f} {deltas.max().item():>7.3f} "
+            f"{method + ' ' + numerics:<14} {deltas.mean().item():>24.4f} {deltas.max().item():>7.3f} "
             f"{same:>10}/{len(QUESTIONS)} ({100 * same / len(QUESTIONS):.0f}%)  {time.perf_counter() - start:.0f}"
         )
-        print(f"  {len(deltas)} answer tokens over {len(PROMPTS)} prompts")
+        print(f"  {len(deltas)} answer tokens over {len(PROMPTS)} prompts; answers that differ: {differ}")
 
 
 if __name__ == "__main__":

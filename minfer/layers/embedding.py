@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.distributed.parallel import SINGLE, TPGroup
+from minfer.layers.quantized_head import LowBitHead
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,10 +39,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits = hidden @ W.T, each rank computing its vocabulary slice, gathered at the end."""
 
+    low_bit: LowBitHead | None = None  # --quantization (CPU, one rank): minfer.models.quantize
+
     def shard_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [T, rows_per_rank] of this rank's vocabulary slice (no communication;
         the last shard's padding columns are 0: `gather_logits` and the vocabulary-parallel
         sampler cut them off). Written into `out` when given."""
+        if self.low_bit is not None:
+            return self.low_bit.logits(hidden, out)
         logits = F.linear(hidden, self.weight)
         return logits.float() if out is None else out.copy_(logits)
 
@@ -51,6 +56,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [T, vocab], written into `out` when given."""
+        if self.low_bit is not None:
+            return self.low_bit.logits(hidden, out)
         if self.tp.size == 1 and _mm_writes_fp32(hidden):
             # The GEMM accumulates in fp32 anyway; writing fp32 directly saves a pass that rounds
             # the logits to bf16 and another that widens them (0.1 ms at B=256 on an H200).

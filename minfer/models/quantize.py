@@ -4,23 +4,28 @@
   gguf   the .gguf file's own Q4_0 / Q4_1 blocks, exactly (Q8_0 matrices: int8 per channel)
   int4   any checkpoint: asymmetric 4-bit blocks of 32 computed at load (as Q4_1 does)
   int8   any checkpoint: symmetric int8, one scale per output channel
-The embedding and the LM head stay float (the head's logits feed log-probs, and bfloat16
-logits would round them by up to ~0.06 nats at logit 20). Each layer's float matrix is set to
-the weights its low-bit form stands for, so prefill (float GEMMs) and decode run one model;
-see minfer/layers/quantized_linear.py for why both forms are kept.
+Each layer also keeps a dense matrix of the weights its low-bit form stands for, for prefill
+and large decode batches: bfloat16 where the CPU multiplies it natively, else float32 (see
+minfer/layers/quantized_linear.py). The embedding stays float32; the LM head gets int4 and
+bfloat16 copies of it whose top logits are recomputed from it (minfer/layers/quantized_head.py).
+MINFER_LOW_BIT_HEAD=float32 keeps the float32 head, for A/B measurements.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
 
 from minfer.config import QUANTIZATION_METHODS, ConfigError
 from minfer.layers.linear import ColumnParallelLinear, RowParallelLinear
+from minfer.layers.quantized_head import HEAD_LOW_BIT_MAX_ROWS, LowBitHead
 from minfer.layers.quantized_linear import (
+    BF16_DENSE_MAX_ROWS,
     LowBitWeight,
+    dense_dtype,
     dequantize_int4,
     int4_from_blocks,
     quantize_int4,
@@ -78,6 +83,12 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None = None) 
         layer.low_bit = low_bit
         float_bytes += weight.numel() * weight.element_size()
         low_bit_bytes += low_bit.nbytes
+        if dense_dtype() != weight.dtype:  # instead of, not beside, the float32 matrix
+            layer.weight.data = weight.to(dense_dtype())
+            low_bit.max_rows = BF16_DENSE_MAX_ROWS
+    head = getattr(model, "lm_head", None)
+    if head is not None and os.environ.get("MINFER_LOW_BIT_HEAD") != "float32":
+        head.low_bit = _low_bit_head(head.weight.data)
     log.info(
         "--quantization %s: %d linear layers read %.0f MiB per decode step instead of %.0f MiB of float%s",
         method,
@@ -86,6 +97,15 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None = None) 
         float_bytes / 2**20,
         f"; kept float (not Q4_0/Q4_1/Q8_0 in the file): {kept_float}" if kept_float else "",
     )
+
+
+def _low_bit_head(weight: torch.Tensor) -> LowBitHead:
+    # 4-bit blocks of 32 computed from the float32 matrix (a GGUF token_embd is Q8_0, whose
+    # per-32 int8 blocks no kernel takes); the float32 refinement of the top logits covers the
+    # difference where it matters.
+    low_bit = int4_from_blocks(*quantize_int4(weight))
+    low_bit.max_rows = HEAD_LOW_BIT_MAX_ROWS
+    return LowBitHead(low_bit, weight.to(dense_dtype()), weight)
 
 
 def _from_float(weight: torch.Tensor, method: str) -> LowBitWeight:
@@ -119,4 +139,9 @@ def decode_weight_bytes(model: nn.Module, float_bytes: int) -> int:
         if layer.low_bit is not None:
             weight = layer.weight
             float_bytes += layer.low_bit.nbytes - weight.numel() * weight.element_size()
+    head = getattr(model, "lm_head", None)
+    if head is not None and head.low_bit is not None:
+        # The float32 head matrix is then read for REFINE_TOP rows a token only (tied: the
+        # embedding, whose one row a token is read either way).
+        float_bytes += head.low_bit.nbytes - head.weight.numel() * head.weight.element_size()
     return float_bytes

@@ -34,7 +34,7 @@ def test_gguf_quantization_stays_near_the_float_path():
     got = _answer(quantized, messages)
     layers = [m for m in quantized.engine.model.modules() if getattr(m, "low_bit", None) is not None]
     quantized.shutdown()
-    assert len(layers) == 30 * 4  # qkv, o, gate_up, down of every layer run low-bit
+    assert len(layers) == 30 * 4 + 1  # qkv, o, gate_up, down of every layer and the LM head run low-bit
     assert len(got.token_ids) == 12
     same = 0
     while same < 12 and got.token_ids[same] == want.token_ids[same]:

@@ -10,6 +10,7 @@ from test_gguf import private_cache, tiny_model, write_gguf  # noqa: F401 - priv
 
 from minfer.config import ConfigError
 from minfer.layers.quantized_linear import (
+    dense_dtype,
     dequantize_int4,
     int4_from_blocks,
     quantize_int4,
@@ -18,7 +19,7 @@ from minfer.layers.quantized_linear import (
 from minfer.models import gguf as mg
 from minfer.models.gguf_blocks import gguf_blocks
 from minfer.models.loader import build_model, load_hf_config, resolve_model
-from minfer.models.quantize import check_quantization, linear_layers
+from minfer.models.quantize import check_quantization, decode_weight_bytes, linear_layers
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -55,7 +56,8 @@ def test_gguf_blocks_are_the_dequantized_weights(tmp_path, qtype):
 def test_quantized_layers_match_their_float_matrix(tmp_path, method, qtype):
     """Every linear layer's low-bit kernel (bfloat16 activations) against a float32 matmul of
     the weights it stands for: within 1% of the output's largest magnitude (bfloat16 keeps 8
-    bits); prefill-sized inputs take the float matrix itself."""
+    bits); prefill-sized inputs take the dense matrix: float32, or bfloat16 where the CPU
+    multiplies it natively (then its activations are bfloat16 too)."""
     config, state = tiny_model("llama", tied=True)
     path = write_gguf(tmp_path / "tiny.gguf", "llama", config, state, qtype)
     source = resolve_model(path)
@@ -65,10 +67,13 @@ def test_quantized_layers_match_their_float_matrix(tmp_path, method, qtype):
     layers = linear_layers(model)
     assert layers and all(layer.low_bit is not None for _, layer in layers)
     for _, layer in layers:
+        assert layer.weight.dtype == dense_dtype()
         x = torch.randn(2, layer.weight.shape[1])
-        assert _relative_error(layer(x), F.linear(x, layer.weight)) < 1e-2
+        assert _relative_error(layer(x), F.linear(x, layer.weight.float())) < 1e-2
         long = torch.randn(40, layer.weight.shape[1])
-        torch.testing.assert_close(layer(long), F.linear(long, layer.weight))
+        want = F.linear(long.to(dense_dtype()), layer.weight).float()
+        torch.testing.assert_close(layer(long), want, rtol=0, atol=0)
+        assert _relative_error(layer(long), F.linear(long, layer.weight.float())) < 1e-2
 
 
 def test_quantize_at_load_stays_near_the_float_weights():
@@ -88,3 +93,29 @@ def test_unfit_quantization_is_refused():
     with pytest.raises(ConfigError, match="--tp 1"):
         check_quantization("int8", "gguf", "cpu", 2)
     assert check_quantization(None, "safetensors", "cuda", 4) == "none"
+
+
+def test_none_keeps_the_float32_model_and_quantized_decode_reads_less(tmp_path):
+    """--quantization none leaves every matrix float32 and every layer and the head on their
+    float path; gguf gives the head its low-bit form too, and a decode step reads less."""
+    config, state = tiny_model("llama", tied=True)
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", config, state, Q.Q4_1)
+    source = resolve_model(path)
+    models = {
+        method: build_model(
+            source, load_hf_config(source), torch.float32, torch.device("cpu"), quantization=method
+        )
+        for method in ("none", "gguf")
+    }
+    plain = models["none"]
+    assert all(p.dtype == torch.float32 for p in plain.parameters())
+    assert all(m.low_bit is None for _, m in linear_layers(plain)) and plain.lm_head.low_bit is None
+    quantized = models["gguf"]
+    assert quantized.lm_head.low_bit is not None
+    float_bytes = sum(p.numel() * p.element_size() for p in quantized.parameters())
+    head_bytes = quantized.lm_head.weight.numel() * 4
+    assert decode_weight_bytes(quantized, float_bytes) < float_bytes - head_bytes / 2
+    hidden = torch.randn(3, config.hidden_size)
+    torch.testing.assert_close(
+        plain.compute_logits(hidden), F.linear(hidden, plain.lm_head.weight), rtol=0, atol=0
+    )
