@@ -28,10 +28,11 @@ pool holding the transformed values would give, see per_value and rotated):
   center-*                        K minus its calibrated per-(layer, head) mean first (softmax
           ignores the shift q.m); center-rot also centers V (adding the mean back to the output)
   center-rot-token                centered and rotated K, rotated V, per-token fp8 scales
-  int8-token, int8-token-rot-k, int8-token-rot, int8-center-token-rot    not fp8: int8 with a scale per token and kv
-          head (amax / 127), unrotated / K rotated / K and V rotated -- one byte per value too,
-          but uniform steps (the last also centers K): after a rotation the values are near-Gaussian and int8's error is
-          ~1/4 of e4m3's, whose 3 mantissa bits give ~2.6% relative error whatever the scale
+  int8-token, int8-token-rot-k, int8-token-rot, int8-center-token-rot
+          not fp8: int8 with a scale per token and kv head (amax / 127): unrotated / K rotated /
+          K and V rotated / that with K centered. One byte per value too, but uniform steps:
+          after a rotation the values are near-Gaussian and int8's error is ~1/4 of e4m3's,
+          whose 3 mantissa bits give ~2.6% relative error (RMS) whatever the scale
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ SIMULATED = {  # name: a store transform built from the calibration, applied bef
     "int8-token-rot": per_value(rotated(int8_per_token), rotated(int8_per_token)),
     "int8-center-token-rot": per_value(rotated(int8_per_token), rotated(int8_per_token), center_k=True),
 }
-NEEDS_CALIBRATION = {"head", "tensor"} | {n for n in SIMULATED if n.startswith("center")}
+NEEDS_CALIBRATION = {"head", "tensor"} | {n for n in SIMULATED if "center" in n}
 
 
 def run(prompts, kv_cache_dtype: str, scales=None, transform=None):
@@ -192,7 +193,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument(
         "--scales",
-        default="unit,head,token,k-only,v-only",
+        default="unit,rot,int8-token-rot,bf16",
         help="comma-separated configurations (above)",
     )
     args = ap.parse_args()
