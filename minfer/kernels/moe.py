@@ -53,11 +53,15 @@ def config_for(num_rows: int, num_experts: int, element_size: int = 2) -> dict:
     stages keep them within shared memory (the gated GEMM holds three tiles per stage)."""
     table = block_configs()
     if num_rows / num_experts <= table["one_row_max_rows_per_expert"]:
-        return dict(table["one_row"], one_row_blocks=True)
-    phase = "decode" if num_rows / num_experts <= table["decode_max_rows_per_expert"] else "prefill"
-    config = table[phase]
+        config = dict(table["one_row"], one_row_blocks=True)
+    elif num_rows / num_experts <= table["decode_max_rows_per_expert"]:
+        config = dict(table["decode"])
+    else:
+        config = dict(table["prefill"])
     if element_size > 2:
-        config = dict(config, num_stages=min(config["num_stages"], 2))
+        config["num_stages"] = min(config["num_stages"], 2)
+        if "down" in config:  # the down GEMM's own tiles (see fused_moe)
+            config["down"] = dict(config["down"], num_stages=min(config["down"].get("num_stages", 2), 2))
     return config
 
 
@@ -306,6 +310,7 @@ def fused_moe(
     grouped_gemm(x, gate_up, activation, aligned, config, top_k, gated=True)
     expert_out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32)
-    grouped_gemm(activation, down, expert_out, aligned, config, 1, gated=False, row_weight=weights)
+    down_config = {**config, **config.get("down", {})}  # the table may tile the down GEMM apart
+    grouped_gemm(activation, down, expert_out, aligned, down_config, 1, gated=False, row_weight=weights)
     terms = expert_out.view(tokens, top_k, hidden)
     return terms.sum(dim=1) if reduce else terms

@@ -109,7 +109,7 @@ def test_one_row_blocks_match_reference(device, tokens, hidden, inter, experts, 
 def test_float32_configs_fit_shared_memory():
     """Three fp32 tiles per stage (x, gate, up): the table's stages would overflow an H200's
     227 KiB of shared memory, so float32 runs with at most two."""
-    for rows in (64 * 8, 4096 * 8):
+    for rows in (8, 64 * 8, 4096 * 8):  # one row per block, decode, prefill
         config = moe.config_for(rows, 128, element_size=4)
         tile = config["BLOCK_K"] * (config["BLOCK_M"] + 2 * config["BLOCK_N"]) * 4
         assert config["num_stages"] * tile <= 227 * 1024
