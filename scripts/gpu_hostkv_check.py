@@ -80,7 +80,16 @@ class Run:
 
 
 def converse(
-    args, params_of, conversations, pool_tokens, host_gb, max_running, trace=None, check=False, clients=None
+    args,
+    params_of,
+    conversations,
+    pool_tokens,
+    host_gb,
+    max_running,
+    trace=None,
+    check=False,
+    clients=None,
+    profile=False,
 ) -> Run:
     """All rounds of `conversations` conversations; in each round the turns are queued
     `clients` at a time (all at once by default), each group after the previous one finished."""
@@ -116,6 +125,12 @@ def converse(
         time.perf_counter(),
     )
     for r in range(args.rounds):
+        profiler = None
+        if profile and r == args.rounds - 1 and host_gb:  # where the last round's CPU time goes
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         hit0, computed0 = cache.hit_tokens, c.prefill_tokens_computed
         ps = args.page_size
         run.wholes.append(sum((len(h) - args.turn_len - 1) // ps * ps for h in histories) if r else 0)
@@ -124,6 +139,13 @@ def converse(
             group_outs, group_ttfts = run_round(sched, histories[i : i + step], params_of(r))
             outs += group_outs
             ttfts += group_ttfts
+        if profiler is not None:
+            import pstats
+
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(
+                r"minfer|synchron|pin_memory|query", 30
+            )
         run.hits.append(cache.hit_tokens - hit0)
         run.prefill_computed.append(c.prefill_tokens_computed - computed0)
         run.ttfts.append(ttfts)
@@ -204,6 +226,7 @@ def main() -> int:
     )
     p.add_argument("--conversations", type=int, default=10)
     p.add_argument("--figures-only", action="store_true", help="skip the checks (1 and 2)")
+    p.add_argument("--profile", action="store_true", help="cProfile the tiered run's last round")
     p.add_argument(
         "--timeline", action="store_true", help="trace the tiered figures run; print round 5's events"
     )
@@ -317,6 +340,7 @@ def main() -> int:
         args.clients,
         timeline,
         clients=args.clients,
+        profile=args.profile,
     )
     if timeline:
         print_timeline(tiered, timeline, 2 * args.clients)
