@@ -1,0 +1,120 @@
+"""The torch backend's faster CPU path, for `--quantization` models only.
+
+The default float32 model keeps `TorchAttentionBackend`'s plain matmuls so that its
+log-likelihoods stay bit-identical; a quantized model (whose numerics already differ by
+far more than float rounding) gets this subclass, picked by the engine from the flag that
+`quantize_model` sets. Same semantics, three changes that measured faster on one thread
+(SmolLM2-135M shapes, see docs/BENCHMARKS.md's CPU section):
+
+- prefill through `F.scaled_dot_product_attention` (grouped-query heads via enable_gqa, no
+  repeat_interleave copy), causal with the cached prefix: query j of a request whose prefix
+  holds p tokens sees keys [0, p + j];
+- decode reads a request's K/V as a view of the pool when its slots are one ascending run
+  (a lone stream's usual layout), so no gather copy at all;
+- otherwise decode gathers the batch's K/V into buffers kept across steps and layers:
+  a fresh multi-MB tensor per layer cost more in page faults than the copy itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minfer.attention.base import AttentionMetadata, ForwardContext
+from minfer.attention.torch_backend import DecodePlan, TorchAttentionBackend
+
+
+class SdpaDecodePlan(DecodePlan):
+    """DecodePlan plus, where every request's slots are one ascending run, each run's
+    (first slot, length): the layers then read K/V in place."""
+
+    def __init__(self, meta: AttentionMetadata):
+        super().__init__(meta)
+        self.runs: list[tuple[int, int]] | None = None
+        if meta.batch_size == 1:  # per-request views cost a Python loop; worth it for one
+            length = self.longest
+            slots = self.slots[:length]
+            first = int(slots[0])
+            if int(slots[-1]) - first == length - 1 and bool((slots.diff() == 1).all()):
+                self.runs = [(first, length)]
+        self.attn_mask = self.mask.view(meta.batch_size, 1, 1, self.longest)
+
+
+class SdpaTorchAttentionBackend(TorchAttentionBackend):
+    name = "torch-sdpa"
+
+    def __init__(self):
+        super().__init__()
+        self._k_buf = self._v_buf = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+        if ctx.attn.is_decode:
+            return self._sdpa_decode(q, layer, ctx, scale)
+        return self._sdpa_prefill(q, layer, ctx, scale)
+
+    def _sdpa_decode(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+        if self._plan is None or self._plan.meta is not ctx.attn:
+            self._plan = SdpaDecodePlan(ctx.attn)
+        plan = self._plan
+        pool = ctx.kv_pool
+        batch, num_heads, head_dim = q.shape
+        if plan.runs is not None and not pool.quantized:
+            first, length = plan.runs[0]
+            k = pool.k[layer][first : first + length].unsqueeze(0)
+            v = pool.v[layer][first : first + length].unsqueeze(0)
+            mask = None
+        else:
+            k, v = self._gather(pool, layer, plan.slots)
+            k = k.view(batch, plan.longest, pool.num_kv_heads, head_dim)
+            v = v.view(batch, plan.longest, pool.num_kv_heads, head_dim)
+            mask = plan.attn_mask
+        out = F.scaled_dot_product_attention(
+            q.float().unsqueeze(2),  # [B, Hq, 1, D]
+            k.float().transpose(1, 2),  # [B, Hk, S, D], a strided view
+            v.float().transpose(1, 2),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.view(batch, num_heads, head_dim).to(q.dtype)
+
+    def _gather(self, pool, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if pool.quantized:  # fp8 storage dequantizes into new tensors anyway
+            return pool.gather(layer, slots)
+        rows = slots.numel()
+        shape = (rows, *pool.k[layer].shape[1:])
+        if self._k_buf.numel() < rows * shape[1] * shape[2] or self._k_buf.dtype != pool.k[layer].dtype:
+            # Grown to the largest batch seen, never shrunk: a steady load reuses it.
+            self._k_buf = torch.empty(shape, dtype=pool.k[layer].dtype, device=slots.device).view(-1)
+            self._v_buf = torch.empty_like(self._k_buf)
+        size = rows * shape[1] * shape[2]
+        k = torch.index_select(pool.k[layer], 0, slots, out=self._k_buf[:size].view(shape))
+        v = torch.index_select(pool.v[layer], 0, slots, out=self._v_buf[:size].view(shape))
+        return k, v
+
+    def _sdpa_prefill(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+        meta = ctx.attn
+        out = torch.empty_like(q)
+        start = 0
+        table_idx = meta.table_idx.tolist() if meta.table_idx.device.type != "cpu" else meta.table_idx
+        for i, (prefix, extend) in enumerate(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)):
+            seq = prefix + extend
+            slots = meta.page_table[int(table_idx[i]), :seq].long()
+            k, v = ctx.kv_pool.gather(layer, slots)  # [S, Hk, D]
+            qi = q[start : start + extend].transpose(0, 1).float()  # [Hq, E, D]
+            causal = extend > 1 and prefix == 0
+            mask = None
+            if extend > 1 and prefix > 0:  # query j sits at position prefix + j
+                mask = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+            o = F.scaled_dot_product_attention(
+                qi,
+                k.float().transpose(0, 1),
+                v.float().transpose(0, 1),
+                attn_mask=mask,
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[start : start + extend] = o.transpose(0, 1).to(q.dtype)
+            start += extend
+        return out
