@@ -51,10 +51,10 @@ def make_attention_backend(name: str, device: torch.device, low_bit: bool = Fals
 
         return TritonAttentionBackend()
     from minfer.attention.torch_backend import TorchAttentionBackend
-    from minfer.attention.torch_sdpa import SdpaTorchAttentionBackend
+    from minfer.attention.torch_fast import FastTorchAttentionBackend
 
-    # A --quantization model (low_bit) takes SDPA; the default float32 one stays bit-identical.
-    return SdpaTorchAttentionBackend() if low_bit else TorchAttentionBackend()
+    # A --quantization model (low_bit) takes the faster path; the default float32 one stays bit-identical.
+    return FastTorchAttentionBackend() if low_bit else TorchAttentionBackend()
 
 
 @dataclass

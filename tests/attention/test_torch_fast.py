@@ -1,4 +1,4 @@
-"""The --quantization models' SDPA torch path against the reference torch backend: prefill with
+"""The --quantization models' faster torch path against the reference torch backend: prefill with
 a cached prefix and in chunks, decode over shuffled slots, one ascending run, mixed lengths."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from minfer.attention.base import ForwardContext, build_metadata
 from minfer.attention.torch_backend import TorchAttentionBackend
-from minfer.attention.torch_sdpa import SdpaDecodePlan, SdpaTorchAttentionBackend
+from minfer.attention.torch_fast import FastDecodePlan, FastTorchAttentionBackend
 from minfer.kvcache.pool import KVPool
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_SLOTS = 9, 3, 16, 600
@@ -25,7 +25,7 @@ def _pool(gen: torch.Generator) -> KVPool:
 def _both(pool, page_table, table_idx, prefix_lens, extend_lens, is_decode, gen):
     meta = build_metadata(table_idx, prefix_lens, extend_lens, page_table, is_decode, torch.device("cpu"))
     q = torch.randn(sum(extend_lens), NUM_HEADS, HEAD_DIM, generator=gen)
-    fast, reference = SdpaTorchAttentionBackend(), TorchAttentionBackend()
+    fast, reference = FastTorchAttentionBackend(), TorchAttentionBackend()
     for layer in range(2):  # the second layer reuses the pass's plan and buffers
         got = fast.forward(q, layer, ForwardContext(meta, pool, fast, torch.empty(0)), HEAD_DIM**-0.5)
         want = reference.forward(
@@ -51,7 +51,7 @@ def test_chunked_prefill_equals_one_pass():
     pool = _pool(gen)
     page_table = torch.randperm(NUM_SLOTS, generator=gen)[:100].view(1, 100).int()
     q = torch.randn(70, NUM_HEADS, HEAD_DIM, generator=gen)
-    backend = SdpaTorchAttentionBackend()
+    backend = FastTorchAttentionBackend()
 
     def run(prefix, extend, rows):
         meta = build_metadata([0], [prefix], [extend], page_table, False, torch.device("cpu"))
@@ -81,4 +81,4 @@ def test_decode_run_detection_rejects_a_broken_run():
     page_table = torch.arange(300).view(1, 300).int()
     page_table[0, 50] = 299  # one slot out of order
     meta = build_metadata([0], [99], [1], page_table, True, torch.device("cpu"))
-    assert SdpaDecodePlan(meta).runs is None
+    assert FastDecodePlan(meta).runs is None
