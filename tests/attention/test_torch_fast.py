@@ -82,3 +82,40 @@ def test_decode_run_detection_rejects_a_broken_run():
     page_table[0, 50] = 299  # one slot out of order
     meta = build_metadata([0], [99], [1], page_table, True, torch.device("cpu"))
     assert FastDecodePlan(meta).runs is None
+
+
+def test_decode_mirror_across_steps_and_a_new_request():
+    """Decode steps over the mirror (each appends a token per request), then a new request
+    taking a finished one's page-table row through a prefill pass: every step matches the
+    reference, and the mirror (not the gather) served them."""
+    gen = torch.Generator().manual_seed(3)
+    pool = _pool(gen)
+    page_table = torch.randperm(NUM_SLOTS, generator=gen)[:600].view(4, 150).int()
+    fast = FastTorchAttentionBackend(mirror_budget_bytes=2**26)
+    reference = TorchAttentionBackend()
+
+    def step(rows, prefix_lens, extend_lens, is_decode):
+        meta = build_metadata(rows, prefix_lens, extend_lens, page_table, is_decode, torch.device("cpu"))
+        q = torch.randn(sum(extend_lens), NUM_HEADS, HEAD_DIM, generator=gen)
+        for layer in range(2):
+            for slot in page_table[rows, [p + e - 1 for p, e in zip(prefix_lens, extend_lens)]].long():
+                pool.k[layer][slot].normal_(generator=gen)  # the pass's new token, as the model stores it
+                pool.v[layer][slot].normal_(generator=gen)
+            got = fast.forward(q, layer, ForwardContext(meta, pool, fast, torch.empty(0)), 0.25)
+            want = reference.forward(q, layer, ForwardContext(meta, pool, reference, torch.empty(0)), 0.25)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return fast._plan
+
+    lens = {2: 40, 0: 9, 1: 77}
+    step(list(lens), [0] * 3, list(lens.values()), False)
+    for _ in range(3):
+        plan = step(list(lens), list(lens.values()), [1] * 3, True)
+        assert plan.mirror is not None
+        lens = {r: n + 1 for r, n in lens.items()}
+    # Row 0's request finished; a new one on other slots (5 cached tokens hit, 20 new) takes row 0.
+    page_table[0] = page_table[3]
+    step([0], [5], [20], False)
+    lens[0] = 25
+    for _ in range(2):
+        assert step(list(lens), list(lens.values()), [1] * 3, True).mirror is not None
+        lens = {r: n + 1 for r, n in lens.items()}
