@@ -48,7 +48,7 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
     name = "torch-fast"
 
     def __init__(self, mirror_budget_bytes: int | None = None):
-        """mirror_budget_bytes: the most the decode mirror may hold (None: half the KV pool)."""
+        """mirror_budget_bytes: the most the decode mirror may hold (None: the KV pool's own size)."""
         super().__init__()
         self._mirror_budget = mirror_budget_bytes
         self._k_buf = self._v_buf = torch.empty(0)
@@ -68,7 +68,7 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
             if plan.runs is None and not pool.quantized:
                 if self._mirror is None:
                     budget = self._mirror_budget
-                    self._mirror = DecodeMirror(budget or sum(t.nbytes for t in pool.k + pool.v) // 2)
+                    self._mirror = DecodeMirror(budget or sum(t.nbytes for t in pool.k + pool.v))
                 plan.mirror = self._mirror.plan(ctx.attn, pool, plan.longest)
         plan = self._plan
         batch, num_heads, head_dim = q.shape
