@@ -29,7 +29,9 @@ CONVERSATIONS, ROUNDS, FIRST, TURN, ANSWER = 10, 5, 1024, 256, 64
 
 def main() -> None:
     pool = KVPool(1, POOL, 1, 8, PS, torch.float32, torch.device("cpu"))
-    cache = TieredRadixCache(PageAllocator(POOL // PS, PS), HostTier(pool, HostKVPool(pool, HOST, PS, pin=False)))
+    cache = TieredRadixCache(
+        PageAllocator(POOL // PS, PS), HostTier(pool, HostKVPool(pool, HOST, PS, pin=False))
+    )
     rng = random.Random(0)
     histories = [[rng.randrange(50000) for _ in range(FIRST)] for _ in range(CONVERSATIONS)]
     for r in range(ROUNDS):

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from minfer.attention.base import AttentionMetadata, ForwardContext
-from minfer.attention.decode_mirror import DecodeMirror, MirrorPlan
 from minfer.attention.torch_backend import DecodePlan, TorchAttentionBackend
 
 
@@ -41,20 +40,16 @@ class FastDecodePlan(DecodePlan):
             if int(slots[-1]) - first == length - 1 and bool((slots.diff() == 1).all()):
                 self.runs = [(first, length)]
         self.attn_mask = self.mask.view(meta.batch_size, 1, 1, self.longest)
-        self.mirror: MirrorPlan | None = None
 
 
 class FastTorchAttentionBackend(TorchAttentionBackend):
     name = "torch-fast"
 
-    def __init__(self, mirror_budget_bytes: int | None = None):
-        """mirror_budget_bytes: the most the decode mirror may hold (None: the KV pool's own size)."""
+    def __init__(self):
         super().__init__()
-        self._mirror_budget = mirror_budget_bytes
         self._k_buf = self._v_buf = torch.empty(0)
         self._masks_of: AttentionMetadata | None = None
         self._masks: dict[int, torch.Tensor] = {}
-        self._mirror: DecodeMirror | None = None
 
     def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
         if ctx.attn.is_decode:
@@ -62,34 +57,16 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         return self._prefill(q, layer, ctx, scale)
 
     def _fast_decode(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
-        pool = ctx.kv_pool
         if self._plan is None or self._plan.meta is not ctx.attn:
-            self._plan = plan = FastDecodePlan(ctx.attn)
-            if plan.runs is None and not pool.quantized:
-                if self._mirror is None:
-                    budget = self._mirror_budget
-                    self._mirror = DecodeMirror(budget or sum(t.nbytes for t in pool.k + pool.v))
-                plan.mirror = self._mirror.plan(ctx.attn, pool, plan.longest)
+            self._plan = FastDecodePlan(ctx.attn)
         plan = self._plan
+        pool = ctx.kv_pool
         batch, num_heads, head_dim = q.shape
         if plan.runs is not None and not pool.quantized:
             first, length = plan.runs[0]
             k = pool.k[layer][first : first + length].unsqueeze(0)
             v = pool.v[layer][first : first + length].unsqueeze(0)
             mask = None
-        elif plan.mirror is not None:  # rows [lo, hi) of the mirror; the batch's rows picked after
-            k, v = plan.mirror.kv(pool, layer)
-            q_rows = q.new_zeros(k.shape[0], num_heads, head_dim)
-            q_rows[plan.mirror.batch_rows] = q
-            out = F.scaled_dot_product_attention(
-                q_rows.float().unsqueeze(2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=plan.mirror.mask,
-                scale=scale,
-                enable_gqa=True,
-            )
-            return out.view(-1, num_heads, head_dim)[plan.mirror.batch_rows].to(q.dtype)
         else:
             k, v = self._gather(pool, layer, plan.slots)
             k = k.view(batch, plan.longest, pool.num_kv_heads, head_dim)
@@ -123,8 +100,6 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         meta = ctx.attn
         if self._masks_of is not meta:  # one causal mask per request per pass, not per layer
             self._masks_of, self._masks = meta, {}
-            if self._mirror is not None:
-                self._mirror.forget(meta.table_idx.tolist())
         num_kv_heads = ctx.kv_pool.num_kv_heads
         group = q.shape[1] // num_kv_heads
         out = torch.empty_like(q)
