@@ -185,7 +185,7 @@ class Engine:
         )
         self.memory: MemoryBudget = plan_memory(self, memory_before)
         self.max_running_requests = config.max_running_requests or default_max_running_requests(
-            self.device.type
+            self.device.type, config.quantization
         )
         page = config.page_size
         num_slots = self.memory.kv_pool_tokens // page * page

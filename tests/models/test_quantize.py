@@ -130,3 +130,13 @@ def test_none_keeps_the_float32_model_and_quantized_decode_reads_less(tmp_path):
     }
     assert type(backends["none"]) is TorchAttentionBackend
     assert type(backends["gguf"]) is FastTorchAttentionBackend
+
+
+def test_cpu_default_running_cap_follows_quantization():
+    """A quantized CPU model runs up to 32 requests (its throughput grows past 16: BENCHMARKS.md),
+    the float32 default keeps 16; an explicit --max-running-requests always wins."""
+    from minfer.config import default_max_running_requests
+
+    assert default_max_running_requests("cpu") == default_max_running_requests("cpu", "none") == 16
+    assert default_max_running_requests("cpu", "gguf") == default_max_running_requests("cpu", "int4") == 32
+    assert default_max_running_requests("cuda", "none") > 32
