@@ -30,28 +30,20 @@ def _opt(default, help: str, choices: tuple | None = None, nargs: str | None = N
 CPU_DEFAULT_KV_CACHE_TOKENS = 16384
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 # `minfer bench offline` on the default model stops gaining throughput past this many running
-# requests on CPU (docs/BENCHMARKS.md); more only lengthen every request's time per token.
+# requests on CPU; with --quantization a row costs less and serving throughput still grows at 32
+# (concurrency 64: 95.1 vs 84.2 tok/s at 16; docs/BENCHMARKS.md "CPU serving, final").
 CPU_DEFAULT_MAX_RUNNING_REQUESTS = 16
-
-
+CPU_QUANTIZED_DEFAULT_MAX_RUNNING_REQUESTS = 32
 # --quantization values (minfer/models/quantize.py applies them)
 QUANTIZATION_METHODS = ("none", "gguf", "int4", "int8")
-
-
-# With --quantization on a CPU a decode row costs less (4-bit weights, the fast attention path),
-# so throughput keeps growing past 16 running requests: measured on one thread (docs/BENCHMARKS.md,
-# "CPU serving, final"), concurrency 64 gave 84.2 tok/s at 16 running and 95.1 at 32, against
-# 86.1 / 85.0 at concurrency 16.
-CPU_QUANTIZED_DEFAULT_MAX_RUNNING_REQUESTS = 32
 
 
 def default_max_running_requests(device_type: str, quantization: str | None = None) -> int:
     """The running-request cap when `max_running_requests` is not given."""
     if device_type != "cpu":
         return DEFAULT_MAX_RUNNING_REQUESTS
-    if quantization in (None, "none"):
-        return CPU_DEFAULT_MAX_RUNNING_REQUESTS
-    return CPU_QUANTIZED_DEFAULT_MAX_RUNNING_REQUESTS
+    unquantized = quantization in (None, "none")
+    return CPU_DEFAULT_MAX_RUNNING_REQUESTS if unquantized else CPU_QUANTIZED_DEFAULT_MAX_RUNNING_REQUESTS
 
 
 @dataclass
