@@ -42,9 +42,29 @@ class DecodePlan:
 
 class TorchAttentionBackend:
     name = "torch"
+    plan_type = DecodePlan
 
     def __init__(self):
         self._plan: DecodePlan | None = None  # of the current pass, built by its first layer
+
+    def decode_plan(self, meta: AttentionMetadata) -> DecodePlan:
+        """The pass's plan: built by its first layer, shared by the others."""
+        if self._plan is None or self._plan.meta is not meta:
+            self._plan = self.plan_type(meta)
+        return self._plan
+
+    @staticmethod
+    def requests_kv(ctx: ForwardContext, layer: int):
+        """Per request of a prefill pass: (index, first query row, prefix, extend, k, v), with
+        k, v [prefix + extend, Hk, D] gathered through its page-table row."""
+        meta = ctx.attn
+        start = 0
+        table_idx = meta.table_idx.tolist() if meta.table_idx.device.type != "cpu" else meta.table_idx
+        for i, (prefix, extend) in enumerate(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)):
+            slots = meta.page_table[int(table_idx[i]), : prefix + extend].long()
+            k, v = ctx.kv_pool.gather(layer, slots)
+            yield i, start, prefix, extend, k, v
+            start += extend
 
     def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
         if ctx.attn.is_decode:
@@ -52,9 +72,7 @@ class TorchAttentionBackend:
         return self._per_request(q, layer, ctx, scale)
 
     def _decode(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
-        if self._plan is None or self._plan.meta is not ctx.attn:
-            self._plan = DecodePlan(ctx.attn)
-        plan = self._plan
+        plan = self.decode_plan(ctx.attn)
         batch, num_heads, head_dim = q.shape
         num_kv_heads = ctx.kv_pool.num_kv_heads
         group = num_heads // num_kv_heads
@@ -73,16 +91,11 @@ class TorchAttentionBackend:
         return out.view(batch, num_heads, head_dim).to(q.dtype)
 
     def _per_request(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
-        meta = ctx.attn
         num_heads, num_kv_heads = q.shape[1], ctx.kv_pool.num_kv_heads
         group = num_heads // num_kv_heads
         out = torch.empty_like(q)
-        start = 0
-        table_idx = meta.table_idx.tolist() if meta.table_idx.device.type != "cpu" else meta.table_idx
-        for i, (prefix, extend) in enumerate(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)):
+        for _, start, prefix, extend, k, v in self.requests_kv(ctx, layer):
             seq = prefix + extend
-            slots = meta.page_table[int(table_idx[i]), :seq].long()
-            k, v = ctx.kv_pool.gather(layer, slots)
             k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hk, S, D]
             if group > 1:
                 k = k.repeat_interleave(group, dim=0)
@@ -94,5 +107,4 @@ class TorchAttentionBackend:
                 scores = scores.masked_fill(~visible, float("-inf"))
             o = torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)
             out[start : start + extend] = o.transpose(0, 1)
-            start += extend
         return out

@@ -44,6 +44,7 @@ class FastDecodePlan(DecodePlan):
 
 class FastTorchAttentionBackend(TorchAttentionBackend):
     name = "torch-fast"
+    plan_type = FastDecodePlan
 
     def __init__(self):
         super().__init__()
@@ -57,9 +58,7 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         return self._prefill(q, layer, ctx, scale)
 
     def _fast_decode(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
-        if self._plan is None or self._plan.meta is not ctx.attn:
-            self._plan = FastDecodePlan(ctx.attn)
-        plan = self._plan
+        plan = self.decode_plan(ctx.attn)
         pool = ctx.kv_pool
         batch, num_heads, head_dim = q.shape
         if plan.runs is not None and not pool.quantized:
@@ -85,13 +84,12 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
     def _gather(self, pool, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if pool.quantized:  # fp8 storage dequantizes into new tensors anyway
             return pool.gather(layer, slots)
-        rows = slots.numel()
-        shape = (rows, *pool.k[layer].shape[1:])
-        if self._k_buf.numel() < rows * shape[1] * shape[2] or self._k_buf.dtype != pool.k[layer].dtype:
+        shape = (slots.numel(), *pool.k[layer].shape[1:])
+        size = shape[0] * shape[1] * shape[2]
+        if self._k_buf.numel() < size or self._k_buf.dtype != pool.k[layer].dtype:
             # Grown to the largest batch seen, never shrunk: a steady load reuses it.
-            self._k_buf = torch.empty(shape, dtype=pool.k[layer].dtype, device=slots.device).view(-1)
+            self._k_buf = torch.empty(size, dtype=pool.k[layer].dtype, device=slots.device)
             self._v_buf = torch.empty_like(self._k_buf)
-        size = rows * shape[1] * shape[2]
         k = torch.index_select(pool.k[layer], 0, slots, out=self._k_buf[:size].view(shape))
         v = torch.index_select(pool.v[layer], 0, slots, out=self._v_buf[:size].view(shape))
         return k, v
@@ -103,13 +101,9 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         num_kv_heads = ctx.kv_pool.num_kv_heads
         group = q.shape[1] // num_kv_heads
         out = torch.empty_like(q)
-        start = 0
-        table_idx = meta.table_idx.tolist() if meta.table_idx.device.type != "cpu" else meta.table_idx
-        for i, (prefix, extend) in enumerate(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)):
+        for i, start, prefix, extend, k, v in self.requests_kv(ctx, layer):
             seq = prefix + extend
-            slots = meta.page_table[int(table_idx[i]), :seq].long()
-            k, v = ctx.kv_pool.gather(layer, slots)  # [S, Hk, D]
-            k, v = k.float(), v.float()
+            k, v = k.float(), v.float()  # [S, Hk, D]
             mask = self._masks.get(i)
             if mask is None:  # query j sits at position prefix + j and sees keys [0, prefix + j]
                 visible = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
@@ -124,5 +118,4 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
                 scores = torch.baddbmm(mask, rows[:, heads].transpose(0, 1), kt, alpha=scale)  # [G, E, S]
                 o = torch.bmm(scores.softmax(dim=-1), v[:, h].expand(group, -1, -1))  # [G, E, D]
                 out[start : start + extend, heads] = o.transpose(0, 1).to(q.dtype)
-            start += extend
         return out
