@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from minfer.device import to_device
+from minfer.kernels.new_kv import NewKV
 from minfer.kvcache.pool import KVPool
 
 
@@ -49,9 +50,15 @@ class ForwardContext:
 
 class AttentionBackend(Protocol):
     name: str
+    # True: the backend accepts a pass's K/V unfinished (`NewKV`: RoPE, norms and the pool write
+    # still to do) and does that work inside its own kernels. False: it expects them stored.
+    writes_new_kv: bool
 
-    def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D] of the pass's tokens; K/V already stored. Returns [T, Hq, D]."""
+    def forward(
+        self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, new_kv: NewKV | None = None
+    ) -> torch.Tensor:
+        """q: [T, Hq, D] of the pass's tokens. Returns [T, Hq, D]. Without `new_kv` the pass's
+        K/V are already in the pool and q is final."""
 
 
 def build_metadata(

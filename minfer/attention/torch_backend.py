@@ -43,6 +43,7 @@ class DecodePlan:
 class TorchAttentionBackend:
     name = "torch"
     plan_type = DecodePlan
+    writes_new_kv = False  # the model (or layers/attention.py on CUDA) stores the pass's K/V first
 
     def __init__(self):
         self._plan: DecodePlan | None = None  # of the current pass, built by its first layer
@@ -66,7 +67,10 @@ class TorchAttentionBackend:
             yield i, start, prefix, extend, k, v
             start += extend
 
-    def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, new_kv=None
+    ) -> torch.Tensor:
+        assert new_kv is None, "this backend expects the pass's K/V in the pool (writes_new_kv is False)"
         if ctx.attn.is_decode:
             return self._decode(q, layer, ctx, scale)
         return self._per_request(q, layer, ctx, scale)

@@ -52,7 +52,10 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         self._masks_of: AttentionMetadata | None = None
         self._masks: dict[int, torch.Tensor] = {}
 
-    def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, new_kv=None
+    ) -> torch.Tensor:
+        assert new_kv is None, "this backend expects the pass's K/V in the pool (writes_new_kv is False)"
         if ctx.attn.is_decode:
             return self._fast_decode(q, layer, ctx, scale)
         return self._prefill(q, layer, ctx, scale)

@@ -1,22 +1,38 @@
 """Triton attention backend for the GPU: paged decode (split-KV) and paged extend kernels.
 
-Same contract as TorchAttentionBackend, which it is tested against: q holds the pass's tokens,
-their K/V are already in the pool, and keys are found through the page table.
+Same contract as TorchAttentionBackend, which it is tested against: q holds the pass's tokens
+and keys are found through the page table. It also takes the pass's K/V unfinished (`NewKV`):
+a decode batch of up to DECODE_PROLOGUE_MAX_BATCH rows finishes them inside the decode kernel,
+anything else runs the rope_store kernel first.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from minfer.attention.base import ForwardContext
 from minfer.kernels.attention_decode import decode_attention
 from minfer.kernels.attention_extend import extend_attention
+from minfer.kernels.new_kv import NewKV
+from minfer.kernels.rope_store import store_new_kv
+
+# Doing rope_store's work in the decode kernel's prologue saves a launch per layer (~3 us in a
+# CUDA graph on an H200) but every split program then normalises and rotates its q group
+# again, which costs more than the launch once the batch alone fills the GPU: measured on
+# Qwen3-0.6B, batch 1 1.47 -> 1.38 ms per step, 16-31 running 2.52 -> 2.46, 128-256 running
+# 6.09 -> 6.15 (docs/PERFORMANCE.md). The environment variable is for A/B measurements.
+DECODE_PROLOGUE_MAX_BATCH = int(os.environ.get("MINFER_DECODE_PROLOGUE_MAX_BATCH", "32"))
 
 
 class TritonAttentionBackend:
     name = "triton"
+    writes_new_kv = True
 
-    def forward(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, new_kv: NewKV | None = None
+    ) -> torch.Tensor:
         """q: [T, Hq, D]. Returns [T, Hq, D].
 
         Decode launches depend only on static sizes (batch, heads, page-table width) and
@@ -27,9 +43,21 @@ class TritonAttentionBackend:
         k_pool, v_pool = pool.k[layer], pool.v[layer]
         # An fp8 pool's kernels widen K/V in registers and apply the layer's per-head scales.
         scales = pool.kernel_scales[layer]
+        fused = meta.is_decode and q.shape[0] <= DECODE_PROLOGUE_MAX_BATCH  # static per CUDA graph
+        if new_kv is not None and not fused:
+            store_new_kv(q, new_kv, pool, layer)
+            new_kv = None
         if meta.is_decode:
             return decode_attention(
-                q, k_pool, v_pool, meta.page_table, meta.table_idx, meta.seq_lens, scale, **scales
+                q,
+                k_pool,
+                v_pool,
+                meta.page_table,
+                meta.table_idx,
+                meta.seq_lens,
+                scale,
+                **scales,
+                new_kv=new_kv,
             )
         return extend_attention(
             q,

@@ -7,7 +7,11 @@ Two passes, so that a single long request still spreads over the whole GPU:
       online softmax for all the query heads that share this kv head (GQA: the group's
       queries are the rows of one small matrix, so each K/V row is read once per group).
       It writes its normalised partial output and its log-sum-exp (base 2).
-  pass 2, grid (request, q head): merges the splits by their log-sum-exp.
+  pass 2, grid (request, q head): merges the splits by their log-sum-exp (attention_merge.py).
+
+Pass 1 can also do rope_store's work in its prologue (`new_kv`, used for small decode batches:
+attention/triton_backend.py says when): each program normalises and rotates its q group, and
+the program whose slice holds the new position writes the new K/V to the pool before its loop.
 
 Why the number of splits is fixed per launch and chosen from static sizes only: a CUDA graph
 replays the launch grid it captured, so the grid may not depend on this step's lengths. The
@@ -24,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from minfer.kernels.attention_merge import merge_splits
 from minfer.kernels.common import attend_blocks, fp8_pool_operand, gather_rows, num_sms
+from minfer.kernels.new_kv import NewKV, finish_decode_token
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -54,9 +60,22 @@ def _decode_split_kernel(
     seq_lens_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    out_loc_ptr,
+    eps,
     sm_scale_log2,
     stride_qb,
     stride_qh,
+    stride_nkb,
+    stride_nkh,
+    stride_nvb,
+    stride_nvh,
+    stride_cs,
     stride_ks,
     stride_kh,
     stride_vs,
@@ -69,6 +88,8 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
     KV_SCALED: tl.constexpr,
+    NEW_KV: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -90,21 +111,55 @@ def _decode_split_kernel(
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
 
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
+    page_row = page_table_ptr + row * stride_page_row
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_SCALED:
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+    if NEW_KV:  # q, k, v as the qkv projection left them: rope_store's work happens here
+        slot = tl.load(out_loc_ptr + b).to(tl.int64)
+        newest = seq_len - 1
+        q = finish_decode_token(
+            q_ptr + b * stride_qb,
+            stride_qh,
+            heads,
+            h_mask,
+            new_k_ptr + b * stride_nkb + kv_head * stride_nkh,
+            new_v_ptr + b * stride_nvb + kv_head * stride_nvh,
+            k_head + slot * stride_ks,
+            v_head + slot * stride_vs,
+            (start <= newest) & (newest < end),
+            tl.load(positions_ptr + b).to(tl.int64),
+            cos_sin_ptr,
+            stride_cs,
+            q_weight_ptr,
+            k_weight_ptr,
+            eps,
+            k_scale,
+            v_scale,
+            offs_h,
+            offs_d,
+            d_mask,
+            HEAD_DIM,
+            HAS_NORM,
+            KV_SCALED,
+        )
+    else:
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=h_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
     if KV_SCALED:  # an fp8 cache: K's scale folds into the scores, V's into the output
-        sm_scale_log2 = sm_scale_log2 * tl.load(k_scale_ptr + kv_head)
+        sm_scale_log2 = sm_scale_log2 * k_scale
         q = fp8_pool_operand(q)
-    page_row = page_table_ptr + row * stride_page_row
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
     # The new token sees every cached key: bounds masking only, no causal mask (q_pos unused).
     m_i, l_i, acc = attend_blocks(
         q,
@@ -132,7 +187,7 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_SCALED:
-        o = o * tl.load(v_scale_ptr + kv_head)
+        o = o * v_scale
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if DIRECT_OUT:  # a single split: no merge pass
         tl.store(
@@ -145,44 +200,6 @@ def _decode_split_kernel(
         lse_idx = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split
         tl.store(part_out_ptr + lse_idx[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], o, mask=hd_mask)
         tl.store(part_lse_ptr + lse_idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=h_mask)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    stride_ob,
-    stride_oh,
-    num_splits,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    base = (b * NUM_HEADS + head) * num_splits
-    lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all: output 0, not NaN
-    weights = tl.exp2(lse - lse_max)
-    live = lse > float("-inf")  # empty splits are not even read
-    parts = tl.load(
-        part_out_ptr + (base + offs_s)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
-        mask=live[:, None] & (offs_d[None, :] < HEAD_DIM),
-        other=0.0,
-    )
-    total = tl.sum(weights, 0)
-    total = tl.where(total > 0, total, 1.0)
-    o = tl.sum(parts * weights[:, None], 0) / total
-    tl.store(
-        out_ptr + b * stride_ob + head * stride_oh + offs_d,
-        o.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
 
 
 def choose_num_splits(
@@ -212,6 +229,7 @@ def decode_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    new_kv: NewKV | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its cached keys [0, seq_lens[b]).
 
@@ -220,6 +238,8 @@ def decode_attention(
     `num_splits` defaults to `choose_num_splits` from static sizes (see the module docstring).
     An fp8 pool (float8_e4m3fn) comes with k_scale, v_scale: [Hk] float32, a stored value being
     the real one divided by its head's scale (KVPool's format).
+    With `new_kv`, q is not yet normalised or rotated and the pool does not yet hold position
+    seq_lens[b] - 1: the kernel does rope_store's work first (one launch fewer per layer).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
@@ -241,6 +261,7 @@ def decode_attention(
         part_out = part_lse = out  # unused: pass 1 writes the output itself
     if batch == 0:
         return out
+    prologue, prologue_strides = _prologue_args(new_kv, q, seq_lens)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_pool,
@@ -253,9 +274,11 @@ def decode_attention(
         seq_lens,
         k_scale if k_scale is not None else seq_lens,
         v_scale if v_scale is not None else seq_lens,
+        *prologue,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
+        *prologue_strides,
         k_pool.stride(0),
         k_pool.stride(1),
         v_pool.stride(0),
@@ -268,6 +291,8 @@ def decode_attention(
         HEAD_DIM=head_dim,
         DIRECT_OUT=num_splits == 1,
         KV_SCALED=k_scale is not None,
+        NEW_KV=new_kv is not None,
+        HAS_NORM=new_kv is not None and new_kv.q_norm_weight is not None,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
@@ -275,20 +300,22 @@ def decode_attention(
         num_stages=NUM_STAGES,
     )
     if num_splits > 1:
-        _decode_merge_kernel[(batch, num_heads)](
-            out,
-            part_out,
-            part_lse,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d,
-            num_warps=4,
-        )
+        merge_splits(out, part_out, part_lse)
     return out
+
+
+def _prologue_args(new_kv: NewKV | None, q: torch.Tensor, seq_lens: torch.Tensor) -> tuple[tuple, tuple]:
+    """The kernel's prologue arguments (new k and v, positions, cos/sin table, norm weights,
+    out_loc, eps) and strides; without `new_kv` the prologue is compiled out and any tensor
+    stands in for them."""
+    if new_kv is None:
+        return (q, q, seq_lens, q, q, q, seq_lens, 0.0), (0, 0, 0, 0, 0)
+    k, v = new_kv.k, new_kv.v
+    if k.shape != (q.shape[0], *k.shape[1:]) or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"new k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {tuple(q.shape)}")
+    norm_w = (new_kv.q_norm_weight, new_kv.k_norm_weight) if new_kv.q_norm_weight is not None else (q, q)
+    args = (k, v, new_kv.positions, new_kv.cos_sin, *norm_w, new_kv.out_loc, new_kv.eps)
+    return args, (k.stride(0), k.stride(1), v.stride(0), v.stride(1), new_kv.cos_sin.stride(0))
 
 
 def decode_attention_reference(

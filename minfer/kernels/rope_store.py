@@ -7,7 +7,9 @@
 q is rotated in place (it stays in the qkv projection's output, where attention reads it); k
 and v go straight to their pool slots and are not written back. Done as separate kernels this
 was four launches per layer (two norms over per-head rows, RoPE, KV store), each a few
-microseconds even at batch 1, plus three extra round trips of q and k through memory.
+microseconds even at batch 1, plus three extra round trips of q and k through memory. Small
+decode batches skip even this launch: the decode attention kernel runs the same helpers
+(kernels/new_kv.py) in its prologue.
 
 One program handles one token: all its query heads, then all its key/value heads. Rounding
 follows the torch layers step by step (minfer/layers/norm.py, minfer/layers/rotary.py), so the
@@ -23,42 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import to_fp8
-
-
-@triton.jit
-def _norm_rope_heads(
-    x_ptr,
-    token,
-    stride_t,
-    stride_h,
-    weight_ptr,
-    eps,
-    cos,
-    sin,
-    NUM_HEADS: tl.constexpr,
-    HALF: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-):
-    """The [heads, head_dim] rows of one token, normalised and rotated, as two halves."""
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
-    first = x_ptr + token * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
-    dtype = x_ptr.dtype.element_ty
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
-        w1 = tl.load(weight_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(weight_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
-        x1 = ((x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    out1 = ((x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)).to(dtype)
-    out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
-    return out1, out2, offs_h, offs_d, mask
+from minfer.kernels.new_kv import NewKV, finish_heads, rope_factors, store_kv
 
 
 @triton.jit
@@ -89,74 +56,71 @@ def _rope_store_kernel(
     stride_vph,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
-    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     HAS_NORM: tl.constexpr,
     KV_SCALED: tl.constexpr,
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     slot = tl.load(out_loc_ptr + token).to(tl.int64)
-    offs = tl.arange(0, BLOCK_HALF)
-    dtype = q_ptr.dtype.element_ty
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=offs < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=offs < HALF, other=0.0)
-    cos = cos.to(tl.float32).to(dtype).to(tl.float32)[None, :]
-    sin = sin.to(tl.float32).to(dtype).to(tl.float32)[None, :]
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    cos, signed_sin = rope_factors(
+        cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HEAD_DIM // 2, q_ptr.dtype.element_ty
+    )
 
-    q1, q2, offs_h, offs_d, mask = _norm_rope_heads(
-        q_ptr,
-        token,
-        stride_qt,
+    offs_h = tl.arange(0, BLOCK_QH)
+    h_mask = offs_h < NUM_Q_HEADS
+    q_rows = q_ptr + token * stride_qt
+    q = finish_heads(
+        q_rows,
         stride_qh,
+        offs_h,
+        h_mask,
+        offs_d,
+        d_mask,
         q_weight_ptr,
         eps,
         cos,
-        sin,
-        NUM_Q_HEADS,
-        HALF,
+        signed_sin,
+        HEAD_DIM,
         HAS_NORM,
-        BLOCK_QH,
-        BLOCK_HALF,
     )
-    q_row = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    tl.store(q_row, q1, mask=mask)
-    tl.store(q_row + HALF, q2, mask=mask)
+    tl.debug_barrier()  # in place: every thread has read its (swapped) inputs before any writes
+    tl.store(
+        q_rows + offs_h[:, None] * stride_qh + offs_d[None, :], q, mask=h_mask[:, None] & d_mask[None, :]
+    )
 
-    k1, k2, offs_h, offs_d, mask = _norm_rope_heads(
-        k_ptr,
-        token,
-        stride_kt,
+    offs_h = tl.arange(0, BLOCK_KH)
+    h_mask = offs_h < NUM_KV_HEADS
+    mask = h_mask[:, None] & d_mask[None, :]
+    k_rows = k_ptr + token * stride_kt
+    k = finish_heads(
+        k_rows,
         stride_kh,
+        offs_h,
+        h_mask,
+        offs_d,
+        d_mask,
         k_weight_ptr,
         eps,
         cos,
-        sin,
-        NUM_KV_HEADS,
-        HALF,
+        signed_sin,
+        HEAD_DIM,
         HAS_NORM,
-        BLOCK_KH,
-        BLOCK_HALF,
     )
-    k_slot = k_pool_ptr + slot * stride_kps + offs_h[:, None] * stride_kph + offs_d[None, :]
-    v_row = v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-    v_slot = v_pool_ptr + slot * stride_vps + offs_h[:, None] * stride_vph + offs_d[None, :]
-    v1 = tl.load(v_row, mask=mask)
-    v2 = tl.load(v_row + HALF, mask=mask)
-    if KV_SCALED:  # an fp8 pool: value / its head's scale, as KVPool.store quantizes
-        k_scale = tl.load(k_scale_ptr + offs_h, mask=offs_h < NUM_KV_HEADS, other=1.0)[:, None]
-        v_scale = tl.load(v_scale_ptr + offs_h, mask=offs_h < NUM_KV_HEADS, other=1.0)[:, None]
-        tl.store(k_slot, to_fp8(k1, k_scale), mask=mask)
-        tl.store(k_slot + HALF, to_fp8(k2, k_scale), mask=mask)
-        tl.store(v_slot, to_fp8(v1, v_scale), mask=mask)
-        tl.store(v_slot + HALF, to_fp8(v2, v_scale), mask=mask)
-    else:
-        tl.store(k_slot, k1.to(k_pool_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_slot + HALF, k2.to(k_pool_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_slot, v1.to(v_pool_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_slot + HALF, v2.to(v_pool_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_SCALED:
+        k_scale = tl.load(k_scale_ptr + offs_h, mask=h_mask, other=1.0)[:, None]
+        v_scale = tl.load(v_scale_ptr + offs_h, mask=h_mask, other=1.0)[:, None]
+    k_dst = k_pool_ptr + slot * stride_kps + offs_h[:, None] * stride_kph + offs_d[None, :]
+    v_dst = v_pool_ptr + slot * stride_vps + offs_h[:, None] * stride_vph + offs_d[None, :]
+    store_kv(k_dst, v_dst, k, v, k_scale, v_scale, mask, KV_SCALED)
 
 
 def rope_store(
@@ -213,7 +177,6 @@ def rope_store(
     if num_tokens == 0:
         return q
     has_norm = q_norm_weight is not None
-    half = head_dim // 2
     _rope_store_kernel[(num_tokens,)](
         q,
         k,
@@ -241,12 +204,32 @@ def rope_store(
         v_pool.stride(1),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
-        HALF=half,
+        HEAD_DIM=head_dim,
         HAS_NORM=has_norm,
         KV_SCALED=quantized,
         BLOCK_QH=triton.next_power_of_2(num_q_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
     )
     return q
+
+
+def store_new_kv(q: torch.Tensor, new_kv: NewKV, kv_pool, layer: int) -> torch.Tensor:
+    """rope_store of a pass's `new_kv` into layer `layer` of `kv_pool` (a KVPool): q finished
+    in place, k and v written to their slots."""
+    norms = (
+        (new_kv.q_norm_weight, new_kv.k_norm_weight, new_kv.eps) if new_kv.q_norm_weight is not None else ()
+    )
+    return rope_store(
+        q,
+        new_kv.k,
+        new_kv.v,
+        new_kv.positions,
+        new_kv.cos_sin,
+        kv_pool.k[layer],
+        kv_pool.v[layer],
+        new_kv.out_loc,
+        *norms,
+        **kv_pool.kernel_scales[layer],  # an fp8 pool's scales (none otherwise)
+    )

@@ -16,7 +16,7 @@ from torch import nn
 
 from minfer.attention.base import ForwardContext
 from minfer.distributed.parallel import SINGLE, TPGroup
-from minfer.kernels.rope_store import rope_store
+from minfer.kernels.new_kv import NewKV
 from minfer.layers.activation import silu_and_mul
 from minfer.layers.attention import PagedAttention
 from minfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -65,28 +65,18 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if q.is_cuda:  # the same three steps as one kernel (four launches fewer per layer)
+        new_kv = None
+        if q.is_cuda:  # the same three steps in a Triton kernel (rope_store.py), run by the attention
             norms = (
                 (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
             )
-            rope_store(
-                q,
-                k,
-                v,
-                positions,
-                self.rotary.cos_sin,
-                ctx.kv_pool.k[self.layer_id],
-                ctx.kv_pool.v[self.layer_id],
-                ctx.out_loc,
-                *norms,
-                **ctx.kv_pool.kernel_scales[self.layer_id],  # an fp8 pool's scales (none otherwise)
-            )
+            new_kv = NewKV(k, v, positions, self.rotary.cos_sin, ctx.out_loc, *norms)
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
             ctx.kv_pool.store(self.layer_id, k, v, ctx.out_loc)  # the write step of the KV life cycle
-        return self.o_proj(self.attn(q, ctx))
+        return self.o_proj(self.attn(q, ctx, new_kv))
 
 
 class LlamaMLP(nn.Module):
