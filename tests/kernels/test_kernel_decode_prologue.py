@@ -60,13 +60,13 @@ def _case(dtype, device, seq_lens, qk_norm, seed=3):
 
 
 def _fp8_pools(batch):
-    scales = torch.tensor([0.5, 2.0]), torch.tensor([1.5, 0.25])
+    device = batch.k_pool.device
+    scales = torch.tensor([0.5, 2.0], device=device), torch.tensor([1.5, 0.25], device=device)
     pools = [
         (p.float() / s[None, :, None]).to(torch.float8_e4m3fn)
         for p, s in zip((batch.k_pool, batch.v_pool), scales)
     ]
-    device = batch.k_pool.device
-    return pools, {"k_scale": scales[0].to(device), "v_scale": scales[1].to(device)}
+    return pools, {"k_scale": scales[0], "v_scale": scales[1]}
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
@@ -122,18 +122,18 @@ def test_backend_finishes_new_kv_at_any_batch_size(batch_size, device, monkeypat
     import minfer.attention.triton_backend as backend_module
 
     seq_lens = [3 + 7 * i % 50 for i in range(batch_size)]
+    batch, q, new_kv = _case(torch.float32, device, seq_lens, qk_norm=True)  # (GPU pools: unseeded)
+    meta = build_metadata(
+        batch.table_idx_cpu, [s - 1 for s in seq_lens], [1] * batch_size, batch.page_table, True, device
+    )
     results = []
     for limit in (0, 64):  # rope_store first / the prologue
         monkeypatch.setattr(backend_module, "DECODE_PROLOGUE_MAX_BATCH", limit)
-        batch, q, new_kv = _case(torch.float32, device, seq_lens, qk_norm=True)
-        meta = build_metadata(
-            batch.table_idx_cpu, [s - 1 for s in seq_lens], [1] * batch_size, batch.page_table, True, device
-        )
         pool = KVPool(1, batch.k_pool.shape[0] - 1, NUM_KV_HEADS, HEAD_DIM, 1, torch.float32, device)
         pool.k[0].copy_(batch.k_pool)
         pool.v[0].copy_(batch.v_pool)
         ctx = ForwardContext(meta, pool, TritonAttentionBackend(), new_kv.out_loc)
-        out = TritonAttentionBackend().forward(q, 0, ctx, HEAD_DIM**-0.5, new_kv)
+        out = TritonAttentionBackend().forward(q.clone(), 0, ctx, HEAD_DIM**-0.5, new_kv)
         results.append((out, pool.k[0].clone(), pool.v[0].clone()))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, **_same(torch.float32))
