@@ -76,27 +76,6 @@ def _route_top_k_kernel(
 
 
 @triton.jit
-def _residual_rmsnorm(
-    x, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, eps, row, h, h_mask, hidden, x_ptr
-):
-    """kernels/norm.py's residual add + RMSNorm of one whole row x (float32), rounded as that
-    kernel rounds; program 0 of the row stores both outputs. Returns the normalised row."""
-    summed = (x + tl.load(residual_ptr + row * hidden + h, mask=h_mask, other=0.0).to(tl.float32)).to(
-        residual_out_ptr.dtype.element_ty
-    )
-    x = summed.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / hidden + eps)
-    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    out = (normed * tl.load(weight_ptr + h, mask=h_mask, other=0.0).to(tl.float32)).to(
-        normed_ptr.dtype.element_ty
-    )
-    if tl.program_id(1) == 0:
-        tl.store(residual_out_ptr + row * hidden + h, summed, mask=h_mask)
-        tl.store(normed_ptr + row * hidden + h, out, mask=h_mask)
-    return out.to(tl.float32)
-
-
-@triton.jit
 def _router_fused_kernel(
     x_ptr,
     w_ptr,
@@ -104,11 +83,6 @@ def _router_fused_kernel(
     counter_ptr,
     weights_ptr,
     ids_ptr,
-    residual_ptr,
-    norm_weight_ptr,
-    normed_ptr,
-    residual_out_ptr,
-    eps,
     num_experts,
     hidden,
     stride_x,
@@ -118,13 +92,9 @@ def _router_fused_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
-    NORM: tl.constexpr,
 ):
     """Program (token, j): logits of experts [j * EXPERTS_PER_PROGRAM, ...) rounded to x's dtype
-    (as the unfused GEMM's output is), stored; the token's last program selects.
-    NORM: x is the attention's output and the RMSNorm before the experts happens here first
-    (one BLOCK_H covers the row): every program normalises the row itself (it is a few KB),
-    program 0 stores the normalised row and the residual sum the layer goes on with."""
+    (as the unfused GEMM's output is), stored; the token's last program selects."""
     row = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * EXPERTS_PER_PROGRAM + tl.arange(0, EXPERTS_PER_PROGRAM)
     e_mask = offs_e < num_experts
@@ -134,20 +104,6 @@ def _router_fused_kernel(
         h = h0 + offs_h
         h_mask = h < hidden
         x = tl.load(x_ptr + row * stride_x + h, mask=h_mask, other=0.0).to(tl.float32)
-        if NORM:
-            x = _residual_rmsnorm(
-                x,
-                residual_ptr,
-                norm_weight_ptr,
-                normed_ptr,
-                residual_out_ptr,
-                eps,
-                row,
-                h,
-                h_mask,
-                hidden,
-                x_ptr,
-            )
         w = tl.load(
             w_ptr + offs_e[:, None].to(tl.int64) * hidden + h[None, :],
             mask=e_mask[:, None] & h_mask[None, :],
@@ -180,7 +136,6 @@ def _router_fused_kernel(
 
 
 FUSED_MAX_TOKENS = 256  # decode sizes; beyond, the GEMM and the selection launch apart
-NORM_MAX_HIDDEN = 4096  # the fused norm holds a whole row (and two experts' rows) in registers
 _EXPERTS_PER_PROGRAM = 2  # many programs of a short dot each: the GEMV is latency-bound at batch 1
 
 
@@ -191,19 +146,10 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def route_top_k_fused(
-    x: torch.Tensor,
-    router_weight: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-) -> tuple[torch.Tensor, ...]:
+    x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """route_top_k(x @ router_weight.T, ...) in one launch, for at most FUSED_MAX_TOKENS
-    tokens; x [tokens, hidden] and router_weight [experts, hidden] contiguous in the last dim.
-
-    With norm = (residual, norm weight, eps), x is the attention's output and the layer's
-    RMSNorm with its residual add runs in the same launch (at most NORM_MAX_HIDDEN): returns
-    (weights, ids, normalised x, x + residual), what `rmsnorm(x, weight, eps, residual)` and
-    routing the normalised x give."""
+    tokens; x [tokens, hidden] and router_weight [experts, hidden] contiguous in the last dim."""
     tokens, hidden = x.shape
     num_experts = router_weight.shape[0]
     assert tokens <= FUSED_MAX_TOKENS and x.stride(-1) == 1 and router_weight.is_contiguous()
@@ -211,17 +157,6 @@ def route_top_k_fused(
     logits = torch.empty((tokens, num_experts), dtype=x.dtype, device=x.device)
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=x.device)
-    block_h = min(2048, triton.next_power_of_2(hidden))
-    normed = residual_out = x
-    if norm is not None:
-        residual, norm_weight, eps = norm
-        assert hidden <= NORM_MAX_HIDDEN and residual.shape == x.shape and residual.is_contiguous()
-        assert x.stride(0) == hidden, "the residual-add output rows are contiguous, as x's must be"
-        block_h = triton.next_power_of_2(hidden)  # the whole row in one step: the norm needs it
-        normed = torch.empty(x.shape, dtype=torch.promote_types(norm_weight.dtype, x.dtype), device=x.device)
-        residual_out = torch.empty_like(x)
-    else:
-        residual, norm_weight, eps = x, x, 0.0
     if tokens:
         _router_fused_kernel[(tokens, triton.cdiv(num_experts, _EXPERTS_PER_PROGRAM))](
             x,
@@ -230,24 +165,18 @@ def route_top_k_fused(
             _counters(x.device),
             weights,
             ids,
-            residual,
-            norm_weight,
-            normed,
-            residual_out,
-            eps,
             num_experts,
             hidden,
             x.stride(0),
             TOP_K=top_k,
             BLOCK_K=triton.next_power_of_2(top_k),
             EXPERTS_PER_PROGRAM=_EXPERTS_PER_PROGRAM,
-            BLOCK_H=block_h,
+            BLOCK_H=min(2048, triton.next_power_of_2(hidden)),
             BLOCK_E=triton.next_power_of_2(num_experts),
             RENORMALIZE=renormalize,
-            NORM=norm is not None,
             num_warps=4,
         )
-    return (weights, ids) if norm is None else (weights, ids, normed, residual_out)
+    return weights, ids
 
 
 def route_top_k(

@@ -154,35 +154,9 @@ class SparseMoeBlock(nn.Module):
         residual add (models/llama.py), whose kernel sums them (kernels/norm.py) and so
         saves the reduction's launch (4.9 us per layer at batch-1 decode on an H200)."""
         weights, ids = self.gate.select(x, self.top_k, self.renormalize)
-        return self._experts(x, weights, ids)
-
-    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.tp.size == 1:
             return self.experts(x, weights, ids, reduce=False)
         return self.tp.all_reduce(self.experts(x, weights, ids))
-
-    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor, norm: nn.Module):
-        """(this block's output, the new residual) for the attention's output: norm(attn_out,
-        residual), then forward. At decode sizes on CUDA the norm runs inside the router's
-        launch (kernels/moe_router.py), one launch fewer per layer."""
-        from minfer.kernels import moe_router
-
-        tokens, hidden = attn_out.shape
-        if (
-            attn_out.is_cuda
-            and tokens <= moe_router.FUSED_MAX_TOKENS
-            and hidden <= moe_router.NORM_MAX_HIDDEN
-        ):
-            weights, ids, x, residual = moe_router.route_top_k_fused(
-                attn_out.contiguous(),
-                self.gate.weight,
-                self.top_k,
-                self.renormalize,
-                norm=(residual.contiguous(), norm.weight, norm.eps),
-            )
-            return self._experts(x, weights, ids), residual
-        x, residual = norm(attn_out, residual)
-        return self(x), residual
 
 
 def expert_weight_bytes(model: nn.Module) -> int:

@@ -21,7 +21,6 @@ from minfer.layers.activation import silu_and_mul
 from minfer.layers.attention import PagedAttention
 from minfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from minfer.layers.moe import SparseMoeBlock
 from minfer.layers.norm import RMSNorm
 from minfer.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -116,8 +115,6 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, ctx)
-        if isinstance(self.mlp, SparseMoeBlock):  # its router launch can do the norm as well
-            return self.mlp.after_attention(x, residual, self.post_attention_layernorm)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
