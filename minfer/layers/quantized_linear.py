@@ -51,16 +51,21 @@ class LowBitWeight:
     max_rows: int = LOW_BIT_MAX_ROWS
 
     def matmul(self, x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        """x @ W^T; `dense` is W in float, used when x has more than `max_rows` rows."""
+        """x @ W^T in x's dtype; `dense` is W in float, used when x has more than `max_rows` rows."""
+        return self.product(x, dense).to(x.dtype)
+
+    def product(self, x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """x @ W^T in the dtype it is computed in (the kernel's, or `dense`'s), uncast: a caller
+        whose next op promotes it (a float32 add) saves a cast."""
         rows = x.numel() // x.shape[-1]
         if rows > self.max_rows:  # `.to` is a no-op for a float32 `dense`
-            return F.linear(x.to(dense.dtype), dense).to(x.dtype)
+            return F.linear(x.to(dense.dtype), dense)
         flat = x.reshape(rows, x.shape[-1]).to(self.scales.dtype)
         if self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE, self.scales)
         else:
             y = torch.ops.aten._weight_int8pack_mm(flat, self.packed, self.scales)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
     @property
     def nbytes(self) -> int:

@@ -31,6 +31,7 @@ from minfer.layers.quantized_linear import (
     quantize_int4,
     quantize_int8,
 )
+from minfer.models.quantized_forward import install_lean_forward
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None = None) 
     head = getattr(model, "lm_head", None)
     if head is not None and os.environ.get("MINFER_LOW_BIT_HEAD") != "float32":
         head.low_bit = _low_bit_head(head.weight.data)
+    decoder = getattr(model, "model", None)
+    if decoder is not None:
+        install_lean_forward(decoder)
     log.info(
         "--quantization %s: %d linear layers read %.0f MiB per decode step instead of %.0f MiB of float%s",
         method,
