@@ -54,6 +54,11 @@ class LowBitWeight:
         """x @ W^T in x's dtype; `dense` is W in float, used when x has more than `max_rows` rows."""
         return self.product(x, dense).to(x.dtype)
 
+    def input_dtype(self, rows: int, dense: torch.Tensor) -> torch.dtype:
+        """The dtype `product` multiplies an x of `rows` rows in: a producer of x that writes it
+        so saves the cast."""
+        return dense.dtype if rows > self.max_rows else self.scales.dtype
+
     def product(self, x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """x @ W^T in the dtype it is computed in (the kernel's, or `dense`'s), uncast: a caller
         whose next op promotes it (a float32 add) saves a cast."""
