@@ -37,7 +37,10 @@ GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 block length
 LOW_BIT_MAX_ROWS = 12  # rows up to which the low-bit kernel beats float32 (crossover ~14 in the table above)
 BF16_DENSE_MAX_ROWS = 5  # ... and bfloat16 (crossover 5-6 rows on every SmolLM2 matrix)
 KERNEL_DTYPE = torch.bfloat16
-_INNER_K_TILES = 2  # the packing layout's K tiling; the kernel accepts 2, 4 or 8
+_INNER_K_TILES = 2  # the packing layout's K tiling; the kernel accepts 2, 4 or 8 (all ran alike)
+# The ops themselves, looked up once: torch.ops' attribute chain costs ~1 us a call.
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 
 
 @dataclass
@@ -62,15 +65,15 @@ class LowBitWeight:
     def product(self, x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """x @ W^T in the dtype it is computed in (the kernel's, or `dense`'s), uncast: a caller
         whose next op promotes it (a float32 add) saves a cast."""
-        rows = x.numel() // x.shape[-1]
-        if rows > self.max_rows:  # `.to` is a no-op for a float32 `dense`
+        if x.dim() != 2:
+            flat = self.product(x.reshape(-1, x.shape[-1]), dense)
+            return flat.view(*x.shape[:-1], self.out_features)
+        if x.shape[0] > self.max_rows:  # `.to` is a no-op for a float32 `dense`
             return F.linear(x.to(dense.dtype), dense)
-        flat = x.reshape(rows, x.shape[-1]).to(self.scales.dtype)
+        x = x.to(self.scales.dtype)
         if self.kind == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE, self.scales)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.packed, self.scales)
-        return y.view(*x.shape[:-1], self.out_features)
+            return _INT4_MM(x, self.packed, GROUP_SIZE, self.scales)
+        return _INT8_MM(x, self.packed, self.scales)
 
     @property
     def nbytes(self) -> int:
