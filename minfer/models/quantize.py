@@ -28,6 +28,7 @@ from minfer.layers.quantized_linear import (
     dense_dtype,
     dequantize_int4,
     int4_from_blocks,
+    prepack,
     quantize_int4,
     quantize_int8,
 )
@@ -88,6 +89,7 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None = None) 
         if dense_dtype() != weight.dtype:  # instead of, not beside, the float32 matrix
             layer.weight.data = weight.to(dense_dtype())
             low_bit.max_rows = BF16_DENSE_MAX_ROWS
+            low_bit.dense_packed = prepack(layer.weight.data)
     head = getattr(model, "lm_head", None)
     if head is not None and os.environ.get("MINFER_LOW_BIT_HEAD") != "float32":
         head.low_bit = _low_bit_head(head.weight.data)
