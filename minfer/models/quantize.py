@@ -112,7 +112,9 @@ def _low_bit_head(weight: torch.Tensor) -> LowBitHead:
     # difference where it matters.
     low_bit = int4_from_blocks(*quantize_int4(weight))
     low_bit.max_rows = HEAD_LOW_BIT_MAX_ROWS
-    return LowBitHead(low_bit, weight.to(dense_dtype()), weight)
+    dense = weight.to(dense_dtype())
+    low_bit.dense_packed = prepack(dense)
+    return LowBitHead(low_bit, dense, weight)
 
 
 def _from_float(weight: torch.Tensor, method: str) -> LowBitWeight:
