@@ -41,7 +41,7 @@ _INNER_K_TILES = 2  # the packing layout's K tiling; the kernel accepts 2, 4 or 
 # The ops themselves, looked up once: torch.ops' attribute chain costs ~1 us a call.
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
-_PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+_PACKED_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # absent without oneDNN
 PREPACK_ROWS_HINT = 16  # the row count oneDNN's layout is chosen for (any count runs)
 PREPACKED_MAX_ROWS = 512  # past ~1,000 rows F.linear's own layout is as fast (`prepack`)
 
@@ -105,11 +105,13 @@ def prepack(dense: torch.Tensor) -> torch.Tensor | None:
     """`dense` (bfloat16 [out, in]) in oneDNN's blocked layout, or None where that does not
     apply. F.linear re-lays the weight out on every call; pre-laid out, the same products
     (bit-identical) took 23 vs 33 ms over SmolLM2-135M's 120 matrices at 16 rows, 46 vs 66 at
-    256, 76 vs 99 at 512, and no less from ~1,000 rows (one thread, AMX). A second copy of the dense matrix: +203 MB on that model.
+    256, 76 vs 99 at 512, and no less from ~1,000 rows (one thread, AMX). It is a second copy
+    of the dense matrix (+203 MB on that model, +56 MB for its head's).
     MINFER_LOW_BIT_PREPACK=0 keeps F.linear, for A/B measurements."""
     if (
         dense.dtype != torch.bfloat16
         or os.environ.get("MINFER_LOW_BIT_PREPACK") == "0"
+        or _PACKED_LINEAR is None
         or not torch.backends.mkldnn.is_available()
     ):
         return None
