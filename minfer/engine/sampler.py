@@ -101,19 +101,25 @@ def _apply_filters(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return logits
 
 
+def _argmax(values: torch.Tensor) -> torch.Tensor:
+    """values.argmax(-1). On CPU torch's argmax is a scalar loop: max(-1)'s indices, the same
+    first maximum, cost a third (0.36 vs 1.0 ms at [16, 49152], one thread)."""
+    return values.max(dim=-1).indices if values.device.type == "cpu" else values.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B] int64."""
     if logits.is_cuda and not (st.any_top_k or st.any_top_p or st.any_min_p):
         from minfer.kernels.sampling import gumbel_argmax
 
         return gumbel_argmax(logits, st.temperature, st.seeds, st.positions)
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = _argmax(logits)
     if st.all_greedy:
         return greedy_tokens
     temperature = torch.where(st.temperature > 0, st.temperature, 1.0)
     scaled = _apply_filters(logits / temperature[:, None], st)
     gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, st.positions, logits.shape[-1])))
-    sampled_tokens = (scaled + gumbel).argmax(dim=-1)
+    sampled_tokens = _argmax(scaled + gumbel)
     return torch.where(st.temperature > 0, sampled_tokens, greedy_tokens)
 
 

@@ -26,6 +26,7 @@ from minfer.layers.quantized_linear import LowBitWeight
 
 HEAD_LOW_BIT_MAX_ROWS = 8  # int4 vs bfloat16 cross at ~10 rows in the table above
 REFINE_TOP = 16  # candidates per row recomputed in float32 (a few us; argmax never falls outside)
+TOPK_CHUNK = 128  # vocabulary slice per candidate chunk of `top_indices`
 
 
 @dataclass
@@ -40,7 +41,7 @@ class LowBitHead:
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [T, vocab]; written into `out` when given."""
         logits = self.low_bit.matmul(hidden, self.dense).float()
-        top = logits.topk(self.refine_top, dim=-1, sorted=False).indices
+        top = top_indices(logits, self.refine_top)
         exact = torch.bmm(self.exact[top], hidden.float().unsqueeze(-1)).squeeze(-1)
         logits.scatter_(-1, top, exact)
         return logits if out is None else out.copy_(logits)
@@ -48,3 +49,20 @@ class LowBitHead:
     @property
     def nbytes(self) -> int:
         return self.low_bit.nbytes
+
+
+def top_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's k largest values, unordered: `logits.topk(k).indices` as a set
+    (ties aside). torch's CPU topk costs as much as the head's int4 matmul at 16 rows (0.92 ms at
+    [16, 49152], one thread); the k largest lie in the k chunks of TOPK_CHUNK values with the
+    largest maxima (a value outside them has k chunk maxima above it), so topk runs on the chunk
+    maxima and then on those k chunks only: 0.28 ms."""
+    rows, vocab = logits.shape
+    chunks = vocab // TOPK_CHUNK
+    if vocab % TOPK_CHUNK or chunks < 4 * k:
+        return logits.topk(k, dim=-1, sorted=False).indices
+    chunked = logits.view(rows, chunks, TOPK_CHUNK)
+    best_chunks = chunked.amax(dim=-1).topk(k, dim=-1, sorted=False).indices  # [rows, k]
+    spans = best_chunks.unsqueeze(-1).expand(rows, k, TOPK_CHUNK)
+    within = chunked.gather(1, spans).view(rows, k * TOPK_CHUNK).topk(k, dim=-1, sorted=False).indices
+    return best_chunks.gather(1, within // TOPK_CHUNK) * TOPK_CHUNK + within % TOPK_CHUNK

@@ -130,7 +130,12 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    # --quantization on CPU: the same layers in fewer torch ops (minfer/models/quantized_forward.py)
+    lean_forward = None
+
     def forward(self, input_ids, positions, ctx):
+        if self.lean_forward is not None:
+            return self.lean_forward(input_ids, positions, ctx)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx)

@@ -28,9 +28,11 @@ from minfer.layers.quantized_linear import (
     dense_dtype,
     dequantize_int4,
     int4_from_blocks,
+    prepack,
     quantize_int4,
     quantize_int8,
 )
+from minfer.models.quantized_forward import install_lean_forward
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +89,13 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None = None) 
         if dense_dtype() != weight.dtype:  # instead of, not beside, the float32 matrix
             layer.weight.data = weight.to(dense_dtype())
             low_bit.max_rows = BF16_DENSE_MAX_ROWS
+            low_bit.dense_packed = prepack(layer.weight.data)
     head = getattr(model, "lm_head", None)
     if head is not None and os.environ.get("MINFER_LOW_BIT_HEAD") != "float32":
         head.low_bit = _low_bit_head(head.weight.data)
+    decoder = getattr(model, "model", None)
+    if decoder is not None:
+        install_lean_forward(decoder)
     log.info(
         "--quantization %s: %d linear layers read %.0f MiB per decode step instead of %.0f MiB of float%s",
         method,
@@ -106,7 +112,9 @@ def _low_bit_head(weight: torch.Tensor) -> LowBitHead:
     # difference where it matters.
     low_bit = int4_from_blocks(*quantize_int4(weight))
     low_bit.max_rows = HEAD_LOW_BIT_MAX_ROWS
-    return LowBitHead(low_bit, weight.to(dense_dtype()), weight)
+    dense = weight.to(dense_dtype())
+    low_bit.dense_packed = prepack(dense)
+    return LowBitHead(low_bit, dense, weight)
 
 
 def _from_float(weight: torch.Tensor, method: str) -> LowBitWeight:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minfer import LLM, SamplingParams
-from minfer.engine.sampler import SamplingTensors, sample, uniform_noise
+from minfer.engine.sampler import SamplingTensors, _argmax, sample, uniform_noise
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +77,13 @@ def test_sampled_distribution_matches_softmax():
     )
     counts = torch.bincount(sample(logits, st), minlength=4).float() / 4000
     assert torch.allclose(counts, logits[0].softmax(-1), atol=0.03)
+
+
+def test_cpu_argmax_takes_the_first_maximum():
+    """sampler._argmax (max's indices on CPU) picks what argmax picks, ties and NaN included."""
+    rows = torch.randn(5, 49152)
+    rows[1, [70, 9000, 40000]] = 50.0  # a three-way tie: the first wins
+    rows[2] = 1.0  # all equal
+    rows[3, 123] = float("nan")  # NaN propagates, as in argmax
+    assert torch.equal(_argmax(rows), rows.argmax(dim=-1))
+    assert _argmax(rows)[1] == 70

@@ -140,3 +140,20 @@ def test_cpu_default_running_cap_follows_quantization():
     assert default_max_running_requests("cpu") == default_max_running_requests("cpu", "none") == 16
     assert default_max_running_requests("cpu", "gguf") == default_max_running_requests("cpu", "int4") == 32
     assert default_max_running_requests("cuda", "none") > 32
+
+
+def test_prepacked_dense_matrix_gives_f_linear_bits():
+    """The oneDNN-laid-out copy of a bfloat16 dense matrix multiplies bit-identically to
+    F.linear on the plain one, below and above the rows it is laid out for."""
+    from minfer.layers.quantized_linear import PREPACKED_MAX_ROWS, prepack
+
+    dense = torch.randn(96, 64).bfloat16()
+    packed = prepack(dense)
+    if packed is None:
+        pytest.skip("no oneDNN here")
+    codes, scales, mins = quantize_int4(dense.float())
+    low_bit = int4_from_blocks(codes, scales, mins)
+    low_bit.max_rows, low_bit.dense_packed = 2, packed
+    for rows in (3, 16, 100, PREPACKED_MAX_ROWS + 1):
+        x = torch.randn(rows, 64)
+        assert torch.equal(low_bit.product(x, dense), F.linear(x.bfloat16(), dense))

