@@ -105,11 +105,24 @@ class MemoryBudget:
 
 
 def _param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights the model holds: its parameters, and the tensors a --quantization
+    layer keeps beside them (`low_bit`: packed codes, scales, the pre-laid-out dense copy, a
+    low-bit head's dense matrix), each storage counted once."""
+    tensors = list(model.parameters())
+    for module in model.modules():
+        low_bit = getattr(module, "low_bit", None)
+        if low_bit is not None:
+            tensors += [t for t in vars(low_bit).values() if isinstance(t, torch.Tensor)]
+            inner = getattr(low_bit, "low_bit", None)  # a LowBitHead wraps the kernel's weights
+            if inner is not None:
+                tensors += [t for t in vars(inner).values() if isinstance(t, torch.Tensor)]
     seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    for t in tensors:
+        # a oneDNN-packed matrix is opaque (no data pointer): its logical size, counted once
+        key = t.data_ptr() if t.layout == torch.strided and not t.is_mkldnn else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
     return total
 
 

@@ -42,3 +42,16 @@ def test_gguf_quantization_stays_near_the_float_path():
     assert same >= 6, (got.text, want.text)
     deltas = [abs(a - b) for a, b in zip(got.logprobs.logprobs[:same], want.logprobs.logprobs[:same])]
     assert sum(deltas) / same < MEAN_BOUND_NATS, deltas
+
+
+def test_memory_line_counts_the_low_bit_weights():
+    """The weights a --quantization model holds beside its parameters (packed codes and scales,
+    the pre-laid-out dense copies, the head's) are in the memory line's weights figure."""
+    llm = LLM(quantization="gguf", kv_cache_tokens=256, cpu_threads=1)
+    model = llm.engine.model
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    low_bit = [m.low_bit for m in model.modules() if getattr(m, "low_bit", None) is not None]
+    packed = sum(getattr(w, "low_bit", w).nbytes for w in low_bit)  # a head wraps its kernel's weights
+    weights = llm.engine.memory.weights_bytes
+    llm.shutdown()
+    assert weights >= params + packed
