@@ -45,6 +45,11 @@ class TieredRadixCache(RadixCache):
         self.host_allocator = tier.host.allocator
         self.host_pages = 0  # host pages held by nodes
         self.trace = NullTransferTrace()
+        # Write-backs of one `evict` call, issued as ONE offload (one gather per layer and K/V
+        # per staging chunk, where one per node cost Llama-8B 64 launches a node): (device
+        # slots, host slots). The device pages are already free, so nothing may allocate them
+        # before `_flush_offloads`, and their host pages may not be freed before it either.
+        self._offload_batch: tuple[list[int], list[int]] = ([], [])
 
     # -- hits: load host-resident nodes of the matched path ---------------------------------------
     def match(self, token_ids: list[int]) -> PrefixMatch:
@@ -119,7 +124,7 @@ class TieredRadixCache(RadixCache):
         """Free up to `num_pages` unlocked device pages, least recently used device leaves first;
         each evicted node moves to the host tier."""
         ps = self.page_size
-        heap = [n for n in self._nodes() if self._device_leaf(n)]
+        heap = self._device_leaves()
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_pages:
@@ -135,8 +140,29 @@ class TieredRadixCache(RadixCache):
                 break
             if self._device_leaf(parent):
                 heapq.heappush(heap, parent)
+        self._flush_offloads()
         self.counters.evicted_pages += freed
         return freed
+
+    def _device_leaves(self) -> list[_Node]:
+        """The unlocked device leaves. Device nodes are closed under parent, so the walk goes
+        down device children only and never into the (larger) host-only part of the tree."""
+        stack = [c for c in self._root.children.values() if c.slots]
+        leaves = []
+        while stack:
+            node = stack.pop()
+            below = [c for c in node.children.values() if c.slots]
+            if below:
+                stack.extend(below)
+            elif node.lock_count == 0:
+                leaves.append(node)
+        return leaves
+
+    def _flush_offloads(self) -> None:
+        device_slots, host_slots = self._offload_batch
+        if device_slots:
+            self.tier.offload(device_slots, host_slots)
+            self._offload_batch = ([], [])
 
     def _device_leaf(self, node: _Node) -> bool:
         return (
@@ -152,7 +178,8 @@ class TieredRadixCache(RadixCache):
         if not node.host_slots:
             host_slots = self._alloc_host(pages)
             if host_slots is not None:
-                self.tier.offload(node.slots, host_slots)
+                self._offload_batch[0].extend(node.slots)
+                self._offload_batch[1].extend(host_slots)
                 node.host_slots = host_slots
                 self.host_pages += pages
                 if self.trace.enabled:
@@ -184,6 +211,7 @@ class TieredRadixCache(RadixCache):
     def evict_host(self, num_pages: int) -> int:
         """Free at least `num_pages` host pages if unlocked nodes hold them (whole nodes: a host
         copy is dropped entire), least recently used first; returns how many were freed."""
+        self._flush_offloads()  # pages freed here may be handed to the next write-back
         heap = [n for n in self._nodes() if self._host_evictable(n)]
         heapq.heapify(heap)
         freed = 0
@@ -208,6 +236,7 @@ class TieredRadixCache(RadixCache):
         return len(pages)
 
     def _remove_subtree(self, node: _Node) -> None:
+        self._flush_offloads()
         stack = [node]
         while stack:
             n = stack.pop()

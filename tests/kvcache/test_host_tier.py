@@ -64,6 +64,33 @@ def test_evicted_prefix_comes_back_bit_for_bit(dtype):
     cache.audit([])
 
 
+def test_one_eviction_writes_back_every_node_in_one_transfer():
+    """Three nodes (a shared head and two branches) evicted by one call: one offload, whose
+    pages all come back bit for bit."""
+    pool, cache = make_cache(device_pages=6, host_pages=8)
+    head, left, right = list(range(8)), [50, 51, 52, 53], [60, 61, 62, 63]
+    want = {}
+    for tokens in (head + left, head + right):
+        match = cache.match(tokens)
+        own = [
+            p * PS + i
+            for p in cache.allocator.alloc((len(tokens) - len(match.slots)) // PS)
+            for i in range(PS)
+        ]
+        fill(pool, own, seed=len(want))
+        cache.insert(tokens, match.slots + own, match.handle)
+        want[tuple(tokens)] = rows(pool, match.slots + own)
+    assert sum(1 for _ in cache._nodes()) == 3
+    assert cache.evict(4) == 4 and cache.tier.counters.offload_copies == 1  # one transfer
+    cache.audit([])
+    for tokens, expected in want.items():
+        match = cache.match(list(tokens) + [99])
+        assert all(torch.equal(a, b) for a, b in zip(rows(pool, match.slots), expected))
+        cache.release(match.handle)
+        cache.evict(4)
+    cache.audit([])
+
+
 def test_host_eviction_is_lru_and_drops_for_good():
     pool, cache = make_cache(device_pages=2, host_pages=2)
     for k in range(3):  # three two-page prefixes through a two-page device pool
