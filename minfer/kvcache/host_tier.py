@@ -84,6 +84,7 @@ class HostTierCounters:
     bytes_loaded: int = 0
     bytes_offloaded: int = 0
     tokens_offloaded: int = 0
+    tokens_written_through: int = 0  # of those, copied on a hit (kvcache/write_policy.py)
     loads: int = 0  # loads whose time is known (finished)
     load_waits: int = 0  # times a request was passed over because its load was still in flight
     load_seconds_sum: float = 0.0

@@ -26,12 +26,14 @@ class KVManager:
         page_table: PageTable,
         cache: str = "naive",
         host_tier: HostTier | None = None,
+        host_write_policy: str = "write_back",
     ):
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         self.allocator = PageAllocator(self.num_pages, page_size)
         self.page_table = page_table
         self.host_tier = host_tier
+        self.host_write_policy = host_write_policy  # kvcache/write_policy.py
         # uid -> a host-tier load into the request's prefix still in flight (CUDA only)
         self.loads: dict[int, object] = {}
         self.prefix_cache: PrefixCache = self._make_cache(cache)
@@ -40,7 +42,7 @@ class KVManager:
         if kind == "radix" and self.host_tier is not None:
             from minfer.kvcache.tiered_radix import TieredRadixCache
 
-            return TieredRadixCache(self.allocator, self.host_tier)
+            return TieredRadixCache(self.allocator, self.host_tier, self.host_write_policy)
         if kind == "radix":
             try:
                 from minfer.kvcache.radix import RadixCache

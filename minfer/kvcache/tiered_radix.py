@@ -10,7 +10,8 @@ device frees the pages without copying again). Three rules keep this easy to rea
     with no children leaves the tree for good.
 Eviction from the device writes the node back to the host (write-back on eviction), making
 room there first; if even that fails (every host page is locked behind a device copy), the
-node and its host-only subtree are dropped as the plain tree would drop them.
+node and its host-only subtree are dropped as the plain tree would drop them. Under the
+write_through policy a node also gets its host copy on its second hit (write_policy.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from minfer.kvcache.allocator import PageAllocator
 from minfer.kvcache.host_tier import HostTier
 from minfer.kvcache.prefix_cache import KVInvariantError, PrefixMatch
 from minfer.kvcache.radix import RadixCache, _Node
+from minfer.kvcache.write_policy import WRITE_POLICIES, write_through
 
 
 class NullTransferTrace:
@@ -39,8 +41,14 @@ def _page_slots(pages: list[int], ps: int) -> list[int]:
 class TieredRadixCache(RadixCache):
     """RadixCache whose evictions write back to a HostTier and whose hits load from it."""
 
-    def __init__(self, allocator: PageAllocator, tier: HostTier):
+    def __init__(self, allocator: PageAllocator, tier: HostTier, write_policy: str = "write_back"):
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"host KV write policy {write_policy!r} is not one of {list(WRITE_POLICIES)}")
         super().__init__(allocator)
+        self.write_through = write_policy == "write_through"
+        # Host pages of write-through copies whose node is still on the device: the trace
+        # announces a copy (kv_offloaded) when its node leaves the device, as for a write-back.
+        self.written_through: set[int] = set()
         self.tier = tier
         self.host_allocator = tier.host.allocator
         self.host_pages = 0  # host pages held by nodes
@@ -70,8 +78,11 @@ class TieredRadixCache(RadixCache):
         if not path:
             return PrefixMatch([], None)
         for node in path:
+            node.hits += 1
             if node.loading is not None and self.tier.done(node.loading):
                 node.loading = None
+        if self.write_through:
+            write_through(self, path)
         # One load stream: the latest load's completion implies every earlier one's.
         pending = max((n.loading for n in path if n.loading is not None), key=lambda ld: ld.seq, default=None)
         return PrefixMatch(slots, path[-1], pending)
@@ -175,6 +186,10 @@ class TieredRadixCache(RadixCache):
     def _drop_device_copy(self, node: _Node) -> None:
         self._settle(node)
         pages = len(node.slots) // self.page_size
+        if node.host_slots and node.host_slots[0] // self.page_size in self.written_through:
+            self.written_through.difference_update(self.host_allocator.pages_of_slots(node.host_slots))
+            if self.trace.enabled:  # announced as the device copy goes, as a write-back is
+                self.trace.kv_offloaded(node.slots, node.host_slots, self._path_tokens(node), len(node.slots))
         if not node.host_slots:
             host_slots = self._alloc_host(pages)
             if host_slots is not None:
@@ -208,28 +223,34 @@ class TieredRadixCache(RadixCache):
             and (bool(node.slots) or not node.children)
         )
 
-    def evict_host(self, num_pages: int) -> int:
+    def evict_host(self, num_pages: int, may_drop=None) -> int:
         """Free at least `num_pages` host pages if unlocked nodes hold them (whole nodes: a host
-        copy is dropped entire), least recently used first; returns how many were freed."""
+        copy is dropped entire), least recently used first, of the nodes `may_drop` allows
+        (default: all); returns how many were freed."""
         self._flush_offloads()  # pages freed here may be handed to the next write-back
-        heap = [n for n in self._nodes() if self._host_evictable(n)]
+
+        def evictable(n: _Node) -> bool:
+            return self._host_evictable(n) and (may_drop is None or may_drop(n))
+
+        heap = [n for n in self._nodes() if evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_pages:
             node = heapq.heappop(heap)
-            if not self._host_evictable(node):
+            if not evictable(node):
                 continue
             self._settle(node)
             freed += self._free_host_copy(node)
             if not node.slots:  # host-only and childless: out of the tree
                 parent = node.parent
                 del parent.children[tuple(node.token_ids[: self.page_size])]
-                if self._host_evictable(parent) and not parent.slots:
+                if evictable(parent) and not parent.slots:
                     heapq.heappush(heap, parent)
         return freed
 
     def _free_host_copy(self, node: _Node) -> int:
         pages = self.host_allocator.pages_of_slots(node.host_slots)
+        self.written_through.difference_update(pages)
         self.host_allocator.free(pages)
         node.host_slots = []
         self.host_pages -= len(pages)
