@@ -44,7 +44,7 @@ def write_through(cache, path: list) -> None:
             continue
         node.host_slots = [p * ps + i for p in cache.host_allocator.alloc(pages) for i in range(ps)]
         cache.host_pages += pages
-        cache.written_through.update(node.host_slots[::ps])
+        cache.written_through.update(s // ps for s in node.host_slots[::ps])
         device_slots += node.slots
         host_slots += node.host_slots
     if device_slots:

@@ -122,7 +122,11 @@ def test_write_through_copies_on_the_second_hit_and_eviction_only_frees():
         cache.audit([match.handle])
         cache.release(match.handle)
     assert offloaded == [0, 8, 8] and cache.host_pages == 2  # copied once, on the second hit
+    assert cache.written_through == set(
+        cache.host_allocator.pages_of_slots(cache._root.children[(0, 1, 2, 3)].host_slots)
+    )
     assert cache.evict(2) == 2 and cache.tier.counters.tokens_offloaded == 8  # no second copy
+    assert not cache.written_through  # announced (kv_offloaded) as its device copy went
     fill(pool, slots, seed=2)  # the device pages are reused
     match = cache.match(tokens + [99])
     assert all(torch.equal(a, b) for a, b in zip(rows(pool, match.slots), want))
