@@ -91,6 +91,27 @@ def test_one_eviction_writes_back_every_node_in_one_transfer():
     cache.audit([])
 
 
+def test_match_cost_prices_a_match_without_making_it():
+    from minfer.kvcache.match_cost import match_cost
+
+    pool, cache = make_cache(device_pages=6, host_pages=8)
+    head, tail = list(range(8)), list(range(50, 58))  # two pages each
+    cache.insert(head + tail, [p * PS + i for p in cache.allocator.alloc(4) for i in range(PS)], None)
+    cache.evict(2)  # `tail` goes to the host; `head` stays on the device, unlocked
+    # head unlocked (2 pages become locked) + the first page of tail on the host only (1 free page)
+    assert match_cost(cache, head + tail[:4] + [99]) == (12, 3)
+    assert cache.tier.counters.hits == 0 and sum(1 for _ in cache._nodes()) == 2  # no load, no split
+    held = cache.match(head + [99])
+    assert match_cost(cache, head + tail) == (16, 2)  # head is locked by another request: free
+    available = cache.allocator.num_free_pages + cache.evictable_pages
+    match = cache.match(head + tail[:4] + [99])  # what the match really takes matches the price
+    assert len(match.slots) == 12
+    assert available - (cache.allocator.num_free_pages + cache.evictable_pages) == 1
+    cache.release(match.handle)
+    cache.release(held.handle)
+    cache.audit([])
+
+
 def test_host_eviction_is_lru_and_drops_for_good():
     pool, cache = make_cache(device_pages=2, host_pages=2)
     for k in range(3):  # three two-page prefixes through a two-page device pool
