@@ -38,6 +38,7 @@ def take(cache: TieredRadixCache, pages: int) -> int:
 
 
 def main() -> None:
+    torch.set_num_threads(1)  # the copies are tiny: a thread pool only adds wake-up noise
     pool = KVPool(1, POOL, 1, 8, PS, torch.float32, torch.device("cpu"))
     cache = TieredRadixCache(
         PageAllocator(POOL // PS, PS), HostTier(pool, HostKVPool(pool, HOST, PS, pin=False))
