@@ -16,19 +16,9 @@ def match_cost(cache, token_ids: list[int]) -> tuple[int, int]:
     pages it would take out of `cache`'s free plus evictable pages): every matched page that is
     on the host only (it takes a free page) or on the device unlocked (it becomes locked).
     `cache` is a TieredRadixCache; nothing is split, locked, loaded or marked used."""
-    ps = cache.page_size
-    node, matched, pages = cache._root, 0, 0
-    while (child := node.children.get(tuple(token_ids[matched : matched + ps]))) is not None:
-        common = ps
-        limit = min(len(child.token_ids), len(token_ids) - matched)
-        while common + ps <= limit and (
-            child.token_ids[common : common + ps] == token_ids[matched + common : matched + common + ps]
-        ):
-            common += ps
-        if not child.slots or child.lock_count == 0:
-            pages += common // ps
+    matched = pages = 0
+    for node, common in cache._edges(token_ids):
         matched += common
-        if common < len(child.token_ids):
-            break
-        node = child
+        if not node.slots or node.lock_count == 0:
+            pages += common // cache.page_size
     return matched, pages

@@ -189,6 +189,11 @@ class RadixCache:
     def prefix_length(self, token_ids: list[int]) -> int:
         """How many leading tokens `match` would return, without splitting, locking or touching
         the LRU order (the longest-prefix-match scheduling policy ranks waiting requests by it)."""
+        return sum(common for _, common in self._edges(token_ids))
+
+    def _edges(self, token_ids: list[int]):
+        """(node, tokens of its edge matched) along the longest whole-page match of `token_ids`,
+        root excluded; only the last edge may match in part. Reads the tree, changes nothing."""
         ps = self.page_size
         node, matched = self._root, 0
         while (child := node.children.get(tuple(token_ids[matched : matched + ps]))) is not None:
@@ -198,11 +203,11 @@ class RadixCache:
                 child.token_ids[common : common + ps] == token_ids[matched + common : matched + common + ps]
             ):
                 common += ps
-            matched += common
+            yield child, common
             if common < len(child.token_ids):
-                break
+                return
+            matched += common
             node = child
-        return matched
 
     # -- tree mechanics --------------------------------------------------------------------------
     def _walk(self, token_ids: list[int]) -> list[_Node]:
