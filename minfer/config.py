@@ -109,6 +109,11 @@ class EngineConfig:
         "prefixes evicted from the device pool are written back there and loaded again on a hit "
         "(0: off; needs --cache radix; docs/MEMORY.md sizes it)",
     )
+    host_kv_write_policy: str = _opt(
+        "write_back",
+        "when a device prefix gets its host copy: on eviction, or also on its second hit (docs/MEMORY.md)",
+        ("write_back", "write_through"),
+    )
     mem_fraction: float = _opt(0.90, "fraction of total device memory minfer may use (CUDA)")
     max_running_requests: int | None = _opt(
         None,
@@ -332,13 +337,10 @@ def validate_values(cfg) -> None:
             if not low <= value <= high:
                 limit = f">= {low:g}" if high == float("inf") else f"in [{low:g}, {high:g}]"
                 raise ConfigError(f"--{f.name.replace('_', '-')}={value} must be {limit}")
-    if getattr(cfg, "host_kv_cache_gb", 0) and cfg.cache != "radix":
-        raise ConfigError(
-            "--host-kv-cache-gb needs --cache radix (the host tier sits behind the radix cache)"
-        )
+    if getattr(cfg, "host_kv_cache_gb", 0) and cfg.cache != "radix":  # the tier sits behind it
+        raise ConfigError("--host-kv-cache-gb needs --cache radix")
     if getattr(cfg, "host_kv_cache_gb", 0) and cfg.tp > 1:
-        # Each rank's scheduler would see its own loads finish at its own moment, and TP ranks
-        # must schedule alike.
+        # TP ranks must schedule alike, and each would see its own loads finish at its own moment.
         raise ConfigError("--host-kv-cache-gb works with --tp 1 only")
     quantization = getattr(cfg, "quantization", None)
     if quantization not in (None, *QUANTIZATION_METHODS):

@@ -20,7 +20,10 @@ weights of a shipped shape; multi-turn conversations whose working set is 4x the
      history hit rate, TTFT p50 (and the ratio), prefill tokens computed; decode and end-to-end
      generation throughput; load and offload bandwidth (bytes over the copies' time measured
      with CUDA events on the tier's streams) against pinned H2D and D2H copies measured here.
-Prints PASS/FAIL per check and exits 1 if any failed; the issue's GPU goals (hit >= 90% by
+`--write-policy both` runs the checks and the tiered figures under each --host-kv-write-policy
+(one table each, against the same run without the tier). Before them, on CUDA, a load of pages
+offloaded in the same step must round-trip bit for bit (host_tier.py rule 4). Prints PASS/FAIL
+per check and exits 1 if any failed; the issue's GPU goals (hit >= 90% by
 round 5, TTFT p50 >= 3x lower, generation throughput not lower, loads >= 70% of the pinned
 copy) print as GOAL met/MISSED lines and do not change the exit status.
 """
@@ -102,6 +105,7 @@ def converse(
         max_model_len=args.max_model_len,
         kv_cache_tokens=pool_tokens,
         host_kv_cache_gb=host_gb,
+        host_kv_write_policy=args.policy,
         max_running_requests=max_running,
         check_kv_invariants=check,
         trace_requests=trace,
@@ -204,6 +208,57 @@ def pinned_bandwidth(device: torch.device, to_device: bool, num_bytes: int = 256
     return 5 * num_bytes / (begin.elapsed_time(end) / 1000)
 
 
+def check_load_ordering(device: torch.device) -> None:
+    """A load waits for the offload that wrote its host pages, and only for that one
+    (kvcache/host_tier.py rule 4), on a Llama-8B-shaped pool: pages offloaded and loaded back
+    in the same step round-trip bit for bit, and a load of pages offloaded long ago does not
+    queue behind a big eviction's D2H still in flight."""
+    from minfer.kvcache.host_pool import HostKVPool
+    from minfer.kvcache.host_tier import HostTier
+    from minfer.kvcache.pool import KVPool
+
+    ps = 16
+    pool = KVPool(32, 64 * ps, 8, 128, ps, torch.bfloat16, device)  # 64 pages of 2 MiB
+    tier = HostTier(pool, HostKVPool(pool, 256 * ps, ps, pin=True))
+
+    def slots(pages):
+        return [p * ps + i for p in pages for i in range(ps)]
+
+    def raw(pages):
+        return [t.view(torch.uint8)[slots(pages)].clone() for t in (*pool.k, *pool.v)]
+
+    for t in (*pool.k, *pool.v):
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+    old, fresh, big = list(range(0, 4)), list(range(4, 8)), list(range(28, 64))  # loads land in 20-27
+    want_old, want_fresh = raw(old), raw(fresh)
+    tier.offload(slots(old), slots(range(0, 4)))
+    tier.synchronize()  # "long ago": finished
+    tier.offload(slots(fresh), slots(range(10, 14)))
+    # The same step: load the pages just offloaded (must wait for that D2H) into other pages.
+    fresh_load = tier.load(slots(range(10, 14)), slots(range(20, 24)))
+    # A big eviction: 144 MiB of D2H (within two staging buffers, so no gather waits for a D2H,
+    # rule 3), ~2.6 ms at 55 GB/s, while a load of old pages (8 MiB) is issued behind it.
+    for _ in range(2):
+        tier.offload(slots(big), slots(range(100, 136)))
+    old_load = tier.load(slots(range(0, 4)), slots(range(24, 28)))
+    old_load.end.synchronize()
+    overlapped = not tier._offloads_in_flight[-1][2].query() if tier._offloads_in_flight else False
+    tier.synchronize()
+    torch.cuda.synchronize()
+    report(
+        "a load of pages offloaded in the same step round-trips bit for bit",
+        fresh_load is not None and all(torch.equal(a, b) for a, b in zip(raw(range(20, 24)), want_fresh)),
+    )
+    report(
+        "a load of pages offloaded long ago round-trips bit for bit",
+        all(torch.equal(a, b) for a, b in zip(raw(range(24, 28)), want_old)),
+    )
+    print(
+        f"FIGURE a load of long-offloaded pages finished while a later eviction's D2H was still "
+        f"running: {'yes' if overlapped else 'no'} (yes: it did not wait for that D2H)"
+    )
+
+
 def kv_bytes_per_token(model: str, dtype: str) -> int:
     """K and V bytes of one token in every layer, from a shipped shape's config (for the sizes)."""
     import json
@@ -241,7 +296,15 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--host-gb", type=float, default=8.0)
     p.add_argument("--device", default="cuda", help="cpu: a dry run of this script's logic only")
+    p.add_argument(
+        "--write-policy",
+        default="write_back",
+        choices=("write_back", "write_through", "both"),
+        help="--host-kv-write-policy of the tiered runs; both: the checks and figures under each",
+    )
     args = p.parse_args()
+    policies = ["write_back", "write_through"] if args.write_policy == "both" else [args.write_policy]
+    args.policy = policies[0]
     cuda = args.device == "cuda"
     assert not cuda or torch.cuda.is_available(), "this check needs CUDA"
     history = args.first_len + (args.rounds - 1) * args.turn_len + args.rounds * args.answer_len
@@ -266,124 +329,138 @@ def main() -> int:
         )
 
     if not args.figures_only:  # 1 and 2: the checks
-        # 1. one request at a time: identical batches, so outputs must be bit-identical.
-        n_check = args.check_conversations
-        for name, params_of in (
-            ("greedy", greedy(args.check_answer_len)),
-            ("seeded", seeded(args.check_answer_len)),
-        ):
-            want = converse(args, params_of, n_check, 2 * working, 0.0, 1)
-            release(want, cuda)
-            got = converse(args, params_of, n_check, small, args.host_gb, 1)
-            report(
-                f"outputs equal the unconstrained pool ({name})",
-                got.outputs == want.outputs,
-                f"{sum(a == b for a, b in zip(got.outputs, want.outputs))}/{len(want.outputs)}",
-            )
-            short = [
-                (r, got.hits[r], got.wholes[r]) for r in range(1, args.rounds) if got.hits[r] != got.wholes[r]
-            ]
-            report(f"rounds >= 2 hit their whole history ({name})", not short, f"short rounds: {short[:3]}")
-            c = got.llm.scheduler.kv.host_tier.counters
-            report(
-                f"the host tier was used ({name})", c.hits > 0 and c.bytes_offloaded > 0, f"{c.hits} loads"
-            )
-            if cuda:
-                report(f"pinned host pool ({name})", got.llm.engine.host_kv_pool.data.is_pinned())
-            release(got, cuda)
+        if cuda:
+            check_load_ordering(torch.device(args.device))
+        for policy in policies:
+            args.policy = policy
+            print(f"== checks, --host-kv-write-policy {policy}", flush=True)
+            # 1. one request at a time: identical batches, so outputs must be bit-identical.
+            n_check = args.check_conversations
+            for name, params_of in (
+                ("greedy", greedy(args.check_answer_len)),
+                ("seeded", seeded(args.check_answer_len)),
+            ):
+                want = converse(args, params_of, n_check, 2 * working, 0.0, 1)
+                release(want, cuda)
+                got = converse(args, params_of, n_check, small, args.host_gb, 1)
+                report(
+                    f"outputs equal the unconstrained pool ({name})",
+                    got.outputs == want.outputs,
+                    f"{sum(a == b for a, b in zip(got.outputs, want.outputs))}/{len(want.outputs)}",
+                )
+                short = [
+                    (r, got.hits[r], got.wholes[r])
+                    for r in range(1, args.rounds)
+                    if got.hits[r] != got.wholes[r]
+                ]
+                report(
+                    f"rounds >= 2 hit their whole history ({name})", not short, f"short rounds: {short[:3]}"
+                )
+                c = got.llm.scheduler.kv.host_tier.counters
+                report(
+                    f"the host tier was used ({name})",
+                    c.hits > 0 and c.bytes_offloaded > 0,
+                    f"{c.hits} loads",
+                )
+                if cuda:
+                    report(f"pinned host pool ({name})", got.llm.engine.host_kv_pool.data.is_pinned())
+                release(got, cuda)
 
-        # 2. concurrent conversations: loads in flight while other requests run; every check on.
-        trace = os.path.join(tempfile.mkdtemp(), "trace.jsonl")
-        try:
-            checked = converse(
-                args,
-                greedy(args.answer_len),
-                args.conversations,
-                small,
-                args.host_gb,
-                args.conversations,
-                trace,
+            # 2. concurrent conversations: loads in flight while other requests run; every check on.
+            trace = os.path.join(tempfile.mkdtemp(), "trace.jsonl")
+            try:
+                checked = converse(
+                    args,
+                    greedy(args.answer_len),
+                    args.conversations,
+                    small,
+                    args.host_gb,
+                    args.conversations,
+                    trace,
+                    True,
+                )
+            except KVInvariantError as e:
+                report("page invariant after every step (concurrent)", False, str(e))
+                return 1
+            c = checked.llm.scheduler.kv.host_tier.counters
+            report(
+                "page invariant after every step (concurrent)",
                 True,
+                f"{c.hits} loads, {c.load_waits} polls in flight",
             )
-        except KVInvariantError as e:
-            report("page invariant after every step (concurrent)", False, str(e))
-            return 1
-        c = checked.llm.scheduler.kv.host_tier.counters
-        report(
-            "page invariant after every step (concurrent)",
-            True,
-            f"{c.hits} loads, {c.load_waits} polls in flight",
-        )
-        if cuda:  # the waiting logic itself is tested on CPU (tests/deferred_load_tier.py)
-            print(f"FIGURE polls that found a load still in flight: {c.load_waits} of {c.hits} loads")
-        checked.llm.scheduler.tracer.flush()
-        rep = check_file(trace)
-        report(
-            "minfer trace check (loaded prefixes are the offloaded ones)",
-            rep.ok,
-            format_report(rep).splitlines()[-1],
-        )
-        release(checked, cuda)
+            if cuda:  # the waiting logic itself is tested on CPU (tests/deferred_load_tier.py)
+                print(f"FIGURE polls that found a load still in flight: {c.load_waits} of {c.hits} loads")
+            checked.llm.scheduler.tracer.flush()
+            rep = check_file(trace)
+            report(
+                "minfer trace check (loaded prefixes are the offloaded ones)",
+                rep.ok,
+                format_report(rep).splitlines()[-1],
+            )
+            release(checked, cuda)
 
     # 3. figures: the same workload with and without the tier, no checks or tracing.
     plain = converse(
         args, greedy(args.answer_len), args.conversations, small, 0.0, args.clients, clients=args.clients
     )
     release(plain, cuda)
-    timeline = os.path.join(tempfile.mkdtemp(), "timeline.jsonl") if args.timeline else None
-    tiered = converse(
-        args,
-        greedy(args.answer_len),
-        args.conversations,
-        small,
-        args.host_gb,
-        args.clients,
-        timeline,
-        clients=args.clients,
-        profile=args.profile,
-    )
-    if timeline:
-        print_timeline(tiered, timeline, 2 * args.clients)
-    tier = tiered.llm.scheduler.kv.host_tier
-    tier.synchronize()
-    c = tier.counters
-    release(tiered, cuda)
-    device = torch.device(args.device)
-    h2d, d2h = pinned_bandwidth(device, True), pinned_bandwidth(device, False)
-    load_bw = c.bytes_loaded / max(c.load_seconds_sum, 1e-9)
-    offload_bw = c.offload_bytes_timed / max(c.offload_seconds_sum, 1e-9)
-    print("round  hit% tier  hit% plain  ttft_p50_ms tier  plain  ratio  prefill_computed tier  plain")
-    for r in range(args.rounds):
-        ratio = plain.ttft_p50(r) / max(1e-9, tiered.ttft_p50(r))
-        print(
-            f"{r + 1:5d}  {100 * tiered.hit_rate(r):9.1f}  {100 * plain.hit_rate(r):10.1f}  "
-            f"{1000 * tiered.ttft_p50(r):16.1f}  {1000 * plain.ttft_p50(r):5.1f}  {ratio:5.1f}  "
-            f"{tiered.prefill_computed[r]:21d}  {plain.prefill_computed[r]:5d}"
+    for policy in policies:
+        args.policy = policy
+        print(f"== figures, --host-kv-write-policy {policy}", flush=True)
+        timeline = os.path.join(tempfile.mkdtemp(), "timeline.jsonl") if args.timeline else None
+        tiered = converse(
+            args,
+            greedy(args.answer_len),
+            args.conversations,
+            small,
+            args.host_gb,
+            args.clients,
+            timeline,
+            clients=args.clients,
+            profile=args.profile,
         )
-    print(
-        f"FIGURE generation throughput: decode {tiered.decode_tok_s:.0f} tok/s with the tier vs "
-        f"{plain.decode_tok_s:.0f} without; end to end {tiered.e2e_tok_s:.0f} vs {plain.e2e_tok_s:.0f} tok/s"
-    )
-    print(
-        f"FIGURE loads {c.bytes_loaded / GiB:.2f} GiB in {c.loads} loads at {load_bw / 1e9:.1f} GB/s vs pinned "
-        f"H2D {h2d / 1e9:.1f} GB/s ({100 * load_bw / h2d:.0f}%); offloads {c.offload_bytes_timed / GiB:.2f} GiB "
-        f"in {c.offload_copies} copies at {offload_bw / 1e9:.1f} GB/s vs pinned D2H {d2h / 1e9:.1f} GB/s "
-        f"({100 * offload_bw / d2h:.0f}%)"
-    )
-    last = args.rounds - 1
-    goal(
-        f"hit rate >= 90% by round {last + 1}",
-        tiered.hit_rate(last) >= 0.9,
-        f"{100 * tiered.hit_rate(last):.0f}% with the tier, {100 * plain.hit_rate(last):.0f}% without",
-    )
-    ratio = plain.ttft_p50(last) / max(1e-9, tiered.ttft_p50(last))
-    goal("TTFT p50 >= 3x lower with the tier", ratio >= 3, f"round {last + 1}: {ratio:.1f}x")
-    goal(
-        "generation throughput not lower",
-        tiered.decode_tok_s >= 0.97 * plain.decode_tok_s,
-        f"decode {tiered.decode_tok_s:.0f} vs {plain.decode_tok_s:.0f} tok/s, 3% noise allowed",
-    )
-    goal("loads >= 70% of the pinned H2D copy", load_bw >= 0.7 * h2d, f"{100 * load_bw / h2d:.0f}%")
+        if timeline:
+            print_timeline(tiered, timeline, 2 * args.clients)
+        tier = tiered.llm.scheduler.kv.host_tier
+        tier.synchronize()
+        c = tier.counters
+        release(tiered, cuda)
+        device = torch.device(args.device)
+        h2d, d2h = pinned_bandwidth(device, True), pinned_bandwidth(device, False)
+        load_bw = c.bytes_loaded / max(c.load_seconds_sum, 1e-9)
+        offload_bw = c.offload_bytes_timed / max(c.offload_seconds_sum, 1e-9)
+        print("round  hit% tier  hit% plain  ttft_p50_ms tier  plain  ratio  prefill_computed tier  plain")
+        for r in range(args.rounds):
+            ratio = plain.ttft_p50(r) / max(1e-9, tiered.ttft_p50(r))
+            print(
+                f"{r + 1:5d}  {100 * tiered.hit_rate(r):9.1f}  {100 * plain.hit_rate(r):10.1f}  "
+                f"{1000 * tiered.ttft_p50(r):16.1f}  {1000 * plain.ttft_p50(r):5.1f}  {ratio:5.1f}  "
+                f"{tiered.prefill_computed[r]:21d}  {plain.prefill_computed[r]:5d}"
+            )
+        print(
+            f"FIGURE generation throughput: decode {tiered.decode_tok_s:.0f} tok/s with the tier vs "
+            f"{plain.decode_tok_s:.0f} without; end to end {tiered.e2e_tok_s:.0f} vs {plain.e2e_tok_s:.0f} tok/s"
+        )
+        print(
+            f"FIGURE loads {c.bytes_loaded / GiB:.2f} GiB in {c.loads} loads at {load_bw / 1e9:.1f} GB/s vs pinned "
+            f"H2D {h2d / 1e9:.1f} GB/s ({100 * load_bw / h2d:.0f}%); offloads {c.offload_bytes_timed / GiB:.2f} GiB "
+            f"in {c.offload_copies} copies at {offload_bw / 1e9:.1f} GB/s vs pinned D2H {d2h / 1e9:.1f} GB/s "
+            f"({100 * offload_bw / d2h:.0f}%); {c.tokens_written_through} tokens written through on a hit"
+        )
+        last = args.rounds - 1
+        goal(
+            f"hit rate >= 90% by round {last + 1}",
+            tiered.hit_rate(last) >= 0.9,
+            f"{100 * tiered.hit_rate(last):.0f}% with the tier, {100 * plain.hit_rate(last):.0f}% without",
+        )
+        ratio = plain.ttft_p50(last) / max(1e-9, tiered.ttft_p50(last))
+        goal("TTFT p50 >= 3x lower with the tier", ratio >= 3, f"round {last + 1}: {ratio:.1f}x")
+        goal(
+            "generation throughput not lower",
+            tiered.decode_tok_s >= 0.97 * plain.decode_tok_s,
+            f"decode {tiered.decode_tok_s:.0f} vs {plain.decode_tok_s:.0f} tok/s, 3% noise allowed",
+        )
+        goal("loads >= 70% of the pinned H2D copy", load_bw >= 0.7 * h2d, f"{100 * load_bw / h2d:.0f}%")
     print(
         f"{'FAIL' if FAILED else 'PASS'}: {len(FAILED)} check(s) failed {FAILED} ({time.perf_counter() - START:.0f} s)"
     )

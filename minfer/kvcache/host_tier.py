@@ -22,16 +22,23 @@ current stream: forward passes, and the offload gathers), the load stream, the o
      waits (on the GPU, never on the CPU) for the event recorded behind that buffer's last D2H,
      so a gather never overwrites bytes still being copied out.
   4. A load first makes the load stream wait for everything queued so far on the compute stream
-     (passes still using the device pages it was just given; gathers of pages since freed) and
-     on the offload stream (D2H copies into the host pages it reads). Passes queued afterwards
-     overlap with it. Its H2D copies and scatters use the one load staging buffer in stream
-     order, so a chunk's H2D cannot overwrite the previous chunk before its scatter read it.
+     (passes still using the device pages it was just given; gathers of pages since freed).
+     On the offload stream it waits only for the D2H copies into the host pages it reads: each
+     host page records the offload chunk that last wrote it (a sequence number in issue order),
+     and the load waits for the end event of the latest such chunk, which on one stream implies
+     every earlier chunk's, or for nothing once that chunk has completed. So a load does not
+     queue behind the D2H of the eviction that just made room for it (other host pages).
+     Passes queued afterwards overlap with it. Its H2D copies and scatters use the one load
+     staging buffer in stream order, so a chunk's H2D cannot overwrite the previous chunk
+     before its scatter read it.
   5. The scheduler runs a request only once its load's end event has completed (`done`), and
      any eviction of a node whose load is still in flight waits for it first (`wait`), so a
      device page (or the host page it came from) never changes hands under a copy.
-  6. Host pages are written only by D2H copies on the offload stream, in issue order, and read
-     only by loads, which rule 4 orders after every offload issued before them; the CPU never
-     reads them. A host page is freed only after the load reading it finished (rule 5).
+  6. Host pages are written only by D2H copies on the offload stream, in issue order (two
+     copies into one page land in that order), and read only by loads, which rule 4 orders
+     after the last copy into every page they read; the CPU never reads them. A host page is
+     freed, and so can be written again by a later offload, only after every load reading it
+     finished (rule 5): no copy overwrites a page a load still reads.
   7. Index tensors go to the device through pinned memory with non-blocking copies on the
      stream that uses them: a blocking copy would stall the CPU until that stream caught up.
      Staging buffers and the device pool are marked used by the side streams (record_stream),
@@ -43,6 +50,7 @@ returns no pending load.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +84,7 @@ class HostTierCounters:
     bytes_loaded: int = 0
     bytes_offloaded: int = 0
     tokens_offloaded: int = 0
+    tokens_written_through: int = 0  # of those, copied on a hit (kvcache/write_policy.py)
     loads: int = 0  # loads whose time is known (finished)
     load_waits: int = 0  # times a request was passed over because its load was still in flight
     load_seconds_sum: float = 0.0
@@ -152,7 +161,11 @@ class HostTier:
                 t.record_stream(self.load_stream)
             for staging in self.offload_staging:
                 staging.buffer.record_stream(self.offload_stream)
-        self._offload_timings: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        # D2H chunks not yet seen finished, in issue order: (sequence number, start, end, bytes).
+        self._offloads_in_flight: deque[tuple[int, torch.cuda.Event, torch.cuda.Event, int]] = deque()
+        self._offload_seq = 0  # of the latest chunk issued
+        self._offloads_done = 0  # every chunk up to this one has finished
+        self._page_writer = [0] * host_pool.num_pages  # host page -> the chunk that last wrote it
         self.counters = HostTierCounters()
         self._seq = 0
 
@@ -212,7 +225,12 @@ class HostTier:
                 self._write_host(chunk, staged)
                 end.record()
             staging.drained = end
-            self._offload_timings.append((start, end, len(chunk) * self.host.page_bytes))
+            self._offload_seq += 1
+            for h in chunk:
+                self._page_writer[h] = self._offload_seq
+            self._offloads_in_flight.append(
+                (self._offload_seq, start, end, len(chunk) * self.host.page_bytes)
+            )
 
     def _write_host(self, host_pages: list[int], staged: torch.Tensor) -> None:
         for h, row, n in self._host_runs(host_pages):
@@ -255,7 +273,9 @@ class HostTier:
             c.observe_load(time.perf_counter() - start)
             return None
         self.load_stream.wait_stream(torch.cuda.current_stream(self.device))  # rule 4
-        self.load_stream.wait_stream(self.offload_stream)
+        writer = self._last_writer(host_pages)
+        if writer is not None:
+            self.load_stream.wait_event(writer)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.load_stream):
             start.record()
@@ -263,6 +283,16 @@ class HostTier:
             end.record()
         self._seq += 1
         return PendingLoad(self._seq, start, end)
+
+    def _last_writer(self, host_pages: list[int]) -> torch.cuda.Event | None:
+        """The end event of the latest offload chunk that wrote one of `host_pages`, if it has
+        not finished yet (rule 4)."""
+        self._observe_offloads()
+        seq = max(self._page_writer[h] for h in host_pages)
+        if seq <= self._offloads_done:
+            return None
+        # In flight: every chunk after _offloads_done is still queued, in issue order.
+        return next(end for s, _, end, _ in self._offloads_in_flight if s == seq)
 
     def done(self, load: PendingLoad | None) -> bool:
         """Whether the load has finished (never blocks); records its time once."""
@@ -296,8 +326,8 @@ class HostTier:
     def _observe_offloads(self) -> None:
         """Count the D2H time of finished offload chunks (in issue order: one stream)."""
         c = self.counters
-        while self._offload_timings and self._offload_timings[0][1].query():
-            start, end, num_bytes = self._offload_timings.pop(0)
+        while self._offloads_in_flight and self._offloads_in_flight[0][2].query():
+            self._offloads_done, start, end, num_bytes = self._offloads_in_flight.popleft()
             c.offload_copies += 1
             c.offload_bytes_timed += num_bytes
             c.offload_seconds_sum += start.elapsed_time(end) / 1000.0

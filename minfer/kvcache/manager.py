@@ -10,8 +10,10 @@ from __future__ import annotations
 from minfer.core import Req
 from minfer.kvcache.allocator import OutOfSlotsError, PageAllocator
 from minfer.kvcache.host_tier import HostTier
+from minfer.kvcache.match_cost import match_cost
 from minfer.kvcache.page_table import PageTable
 from minfer.kvcache.prefix_cache import KVInvariantError, NaiveCache, PrefixCache
+from minfer.kvcache.tiered_radix import TieredRadixCache
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -26,21 +28,21 @@ class KVManager:
         page_table: PageTable,
         cache: str = "naive",
         host_tier: HostTier | None = None,
+        host_write_policy: str = "write_back",
     ):
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         self.allocator = PageAllocator(self.num_pages, page_size)
         self.page_table = page_table
         self.host_tier = host_tier
+        self.host_write_policy = host_write_policy  # kvcache/write_policy.py
         # uid -> a host-tier load into the request's prefix still in flight (CUDA only)
         self.loads: dict[int, object] = {}
         self.prefix_cache: PrefixCache = self._make_cache(cache)
 
     def _make_cache(self, kind: str) -> PrefixCache:
         if kind == "radix" and self.host_tier is not None:
-            from minfer.kvcache.tiered_radix import TieredRadixCache
-
-            return TieredRadixCache(self.allocator, self.host_tier)
+            return TieredRadixCache(self.allocator, self.host_tier, self.host_write_policy)
         if kind == "radix":
             try:
                 from minfer.kvcache.radix import RadixCache
@@ -73,12 +75,7 @@ class KVManager:
         req.table_idx = self.page_table.take_row()
         req.device_len = len(req.token_ids)  # a resumed request continues from every known token
         self.page_table.write_tokens(req.table_idx, 0, req.token_ids[: req.device_len])
-        # Leave at least one token to compute: its logits give the first sampled token. A request
-        # that wants its prompt's logprobs computes the whole prompt (a cached prefix has no logits).
-        known = req.device_len - 1
-        if req.params.prompt_logprobs is not None and not req.output_len:
-            known = 0
-        match = self.prefix_cache.match(req.token_ids[:known])
+        match = self.prefix_cache.match(req.token_ids[: self._matchable_len(req)])
         req.cache_handle = match.handle
         req.cached_len = len(match.slots)
         req.shared_len = len(match.slots) if match.handle is not None else 0
@@ -87,6 +84,24 @@ class KVManager:
         if match.slots:
             n = len(match.slots)
             self.page_table.write_slots([req.table_idx] * n, list(range(n)), match.slots)
+
+    @staticmethod
+    def _matchable_len(req: Req) -> int:
+        # Leave at least one token to compute: its logits give the first sampled token. A request
+        # that wants its prompt's logprobs computes the whole prompt (a cached prefix has no logits).
+        if req.params.prompt_logprobs is not None and not req.output_len:
+            return 0
+        return len(req.token_ids) - 1
+
+    def _cannot_fit(self, req: Req, max_chunk: int, free_pages: int, reserve_pages: int) -> bool:
+        """A tiered match evicts and loads as it matches (kvcache/match_cost.py): price it first.
+        Only while other requests hold pages, which they give back: alone, a request is admitted
+        as before, with whatever part of its prefix the pool can take."""
+        if not isinstance(self.prefix_cache, TieredRadixCache) or self.used_pages == 0:
+            return False
+        hit, taken = match_cost(self.prefix_cache, req.token_ids[: self._matchable_len(req)])
+        chunk = min(len(req.token_ids) - hit, max_chunk)
+        return taken + _ceil_div(chunk, self.page_size) + reserve_pages > free_pages
 
     def try_admit(
         self, req: Req, max_chunk: int, free_pages: int, reserve_pages: int
@@ -98,6 +113,8 @@ class KVManager:
         to make room. If it does not fit, the admission is undone (row, lock, and the cache's
         query counters, so a prefix query is counted once, when the request really starts).
         """
+        if self._cannot_fit(req, max_chunk, free_pages, reserve_pages):
+            return None
         cache = self.prefix_cache
         # Available pages, not only evictable ones: a hit on the host tier takes free pages too.
         available_before = self.available_pages

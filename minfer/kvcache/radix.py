@@ -18,6 +18,7 @@ from minfer.kvcache.prefix_cache import CacheCounters, KVInvariantError, PrefixM
 class _Node:
     __slots__ = (
         "children",
+        "hits",
         "host_slots",
         "last_access",
         "loading",
@@ -35,6 +36,7 @@ class _Node:
         self.slots = slots  # device slots; empty while the node lives on the host tier only
         self.host_slots: list[int] = []  # host-tier slots (tiered_radix.py); empty: not on the host
         self.loading = None  # a host->device copy into `slots` still in flight (CUDA)
+        self.hits = 0  # prefix matches through this node (the host tier's write-through policy)
         self.lock_count = 0
         self.last_access = last_access
 
@@ -187,6 +189,11 @@ class RadixCache:
     def prefix_length(self, token_ids: list[int]) -> int:
         """How many leading tokens `match` would return, without splitting, locking or touching
         the LRU order (the longest-prefix-match scheduling policy ranks waiting requests by it)."""
+        return sum(common for _, common in self._edges(token_ids))
+
+    def _edges(self, token_ids: list[int]):
+        """(node, tokens of its edge matched) along the longest whole-page match of `token_ids`,
+        root excluded; only the last edge may match in part. Reads the tree, changes nothing."""
         ps = self.page_size
         node, matched = self._root, 0
         while (child := node.children.get(tuple(token_ids[matched : matched + ps]))) is not None:
@@ -196,11 +203,11 @@ class RadixCache:
                 child.token_ids[common : common + ps] == token_ids[matched + common : matched + common + ps]
             ):
                 common += ps
-            matched += common
+            yield child, common
             if common < len(child.token_ids):
-                break
+                return
+            matched += common
             node = child
-        return matched
 
     # -- tree mechanics --------------------------------------------------------------------------
     def _walk(self, token_ids: list[int]) -> list[_Node]:
@@ -234,7 +241,7 @@ class RadixCache:
         # Every lock on `node` runs through `upper` to the root, so it inherits the count;
         # the locked/unlocked split of pages is unchanged, as is evictable_pages.
         upper.lock_count = node.lock_count
-        upper.loading = node.loading
+        upper.loading, upper.hits = node.loading, node.hits
         upper.host_slots, node.host_slots = node.host_slots[:at], node.host_slots[at:]
         node.parent.children[tuple(upper.token_ids[: self.page_size])] = upper
         node.token_ids, node.slots = node.token_ids[at:], node.slots[at:]

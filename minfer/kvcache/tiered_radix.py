@@ -10,7 +10,8 @@ device frees the pages without copying again). Three rules keep this easy to rea
     with no children leaves the tree for good.
 Eviction from the device writes the node back to the host (write-back on eviction), making
 room there first; if even that fails (every host page is locked behind a device copy), the
-node and its host-only subtree are dropped as the plain tree would drop them.
+node and its host-only subtree are dropped as the plain tree would drop them. Under the
+write_through policy a node also gets its host copy on its second hit (write_policy.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from minfer.kvcache.allocator import PageAllocator
 from minfer.kvcache.host_tier import HostTier
 from minfer.kvcache.prefix_cache import KVInvariantError, PrefixMatch
 from minfer.kvcache.radix import RadixCache, _Node
+from minfer.kvcache.write_policy import WRITE_POLICIES, write_through
 
 
 class NullTransferTrace:
@@ -39,12 +41,23 @@ def _page_slots(pages: list[int], ps: int) -> list[int]:
 class TieredRadixCache(RadixCache):
     """RadixCache whose evictions write back to a HostTier and whose hits load from it."""
 
-    def __init__(self, allocator: PageAllocator, tier: HostTier):
+    def __init__(self, allocator: PageAllocator, tier: HostTier, write_policy: str = "write_back"):
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"host KV write policy {write_policy!r} is not one of {list(WRITE_POLICIES)}")
         super().__init__(allocator)
+        self.write_through = write_policy == "write_through"
+        # Host pages of write-through copies whose node is still on the device: the trace
+        # announces a copy (kv_offloaded) when its node leaves the device, as for a write-back.
+        self.written_through: set[int] = set()
         self.tier = tier
         self.host_allocator = tier.host.allocator
         self.host_pages = 0  # host pages held by nodes
         self.trace = NullTransferTrace()
+        # Write-backs of one `evict` call, issued as ONE offload (one gather per layer and K/V
+        # per staging chunk, where one per node cost Llama-8B 64 launches a node): (device
+        # slots, host slots). The device pages are already free, so nothing may allocate them
+        # before `_flush_offloads`, and their host pages may not be freed before it either.
+        self._offload_batch: tuple[list[int], list[int]] = ([], [])
 
     # -- hits: load host-resident nodes of the matched path ---------------------------------------
     def match(self, token_ids: list[int]) -> PrefixMatch:
@@ -65,8 +78,11 @@ class TieredRadixCache(RadixCache):
         if not path:
             return PrefixMatch([], None)
         for node in path:
+            node.hits += 1
             if node.loading is not None and self.tier.done(node.loading):
                 node.loading = None
+        if self.write_through:
+            write_through(self, path)
         # One load stream: the latest load's completion implies every earlier one's.
         pending = max((n.loading for n in path if n.loading is not None), key=lambda ld: ld.seq, default=None)
         return PrefixMatch(slots, path[-1], pending)
@@ -119,7 +135,7 @@ class TieredRadixCache(RadixCache):
         """Free up to `num_pages` unlocked device pages, least recently used device leaves first;
         each evicted node moves to the host tier."""
         ps = self.page_size
-        heap = [n for n in self._nodes() if self._device_leaf(n)]
+        heap = self._device_leaves()
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_pages:
@@ -135,8 +151,29 @@ class TieredRadixCache(RadixCache):
                 break
             if self._device_leaf(parent):
                 heapq.heappush(heap, parent)
+        self._flush_offloads()
         self.counters.evicted_pages += freed
         return freed
+
+    def _device_leaves(self) -> list[_Node]:
+        """The unlocked device leaves. Device nodes are closed under parent, so the walk goes
+        down device children only and never into the (larger) host-only part of the tree."""
+        stack = [c for c in self._root.children.values() if c.slots]
+        leaves = []
+        while stack:
+            node = stack.pop()
+            below = [c for c in node.children.values() if c.slots]
+            if below:
+                stack.extend(below)
+            elif node.lock_count == 0:
+                leaves.append(node)
+        return leaves
+
+    def _flush_offloads(self) -> None:
+        device_slots, host_slots = self._offload_batch
+        if device_slots:
+            self.tier.offload(device_slots, host_slots)
+            self._offload_batch = ([], [])
 
     def _device_leaf(self, node: _Node) -> bool:
         return (
@@ -149,10 +186,15 @@ class TieredRadixCache(RadixCache):
     def _drop_device_copy(self, node: _Node) -> None:
         self._settle(node)
         pages = len(node.slots) // self.page_size
+        if node.host_slots and node.host_slots[0] // self.page_size in self.written_through:
+            self.written_through.difference_update(self.host_allocator.pages_of_slots(node.host_slots))
+            if self.trace.enabled:  # announced as the device copy goes, as a write-back is
+                self.trace.kv_offloaded(node.slots, node.host_slots, self._path_tokens(node), len(node.slots))
         if not node.host_slots:
             host_slots = self._alloc_host(pages)
             if host_slots is not None:
-                self.tier.offload(node.slots, host_slots)
+                self._offload_batch[0].extend(node.slots)
+                self._offload_batch[1].extend(host_slots)
                 node.host_slots = host_slots
                 self.host_pages += pages
                 if self.trace.enabled:
@@ -181,33 +223,41 @@ class TieredRadixCache(RadixCache):
             and (bool(node.slots) or not node.children)
         )
 
-    def evict_host(self, num_pages: int) -> int:
+    def evict_host(self, num_pages: int, may_drop=None) -> int:
         """Free at least `num_pages` host pages if unlocked nodes hold them (whole nodes: a host
-        copy is dropped entire), least recently used first; returns how many were freed."""
-        heap = [n for n in self._nodes() if self._host_evictable(n)]
+        copy is dropped entire), least recently used first, of the nodes `may_drop` allows
+        (default: all); returns how many were freed."""
+        self._flush_offloads()  # pages freed here may be handed to the next write-back
+
+        def evictable(n: _Node) -> bool:
+            return self._host_evictable(n) and (may_drop is None or may_drop(n))
+
+        heap = [n for n in self._nodes() if evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_pages:
             node = heapq.heappop(heap)
-            if not self._host_evictable(node):
+            if not evictable(node):
                 continue
             self._settle(node)
             freed += self._free_host_copy(node)
             if not node.slots:  # host-only and childless: out of the tree
                 parent = node.parent
                 del parent.children[tuple(node.token_ids[: self.page_size])]
-                if self._host_evictable(parent) and not parent.slots:
+                if evictable(parent) and not parent.slots:
                     heapq.heappush(heap, parent)
         return freed
 
     def _free_host_copy(self, node: _Node) -> int:
         pages = self.host_allocator.pages_of_slots(node.host_slots)
+        self.written_through.difference_update(pages)
         self.host_allocator.free(pages)
         node.host_slots = []
         self.host_pages -= len(pages)
         return len(pages)
 
     def _remove_subtree(self, node: _Node) -> None:
+        self._flush_offloads()
         stack = [node]
         while stack:
             n = stack.pop()

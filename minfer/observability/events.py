@@ -190,7 +190,9 @@ _TRANSFER_FIELDS = (
 KV_OFFLOADED = EventSpec(
     "kv_offloaded",
     SCHEDULER,
-    "(uid -1) the device pool evicted a prefix-cache node and wrote it back to the host tier",
+    "(uid -1) the device pool evicted a prefix-cache node and wrote it back to the host tier "
+    "(under `--host-kv-write-policy write_through`, also: evicted a node whose host copy was made on "
+    "its second hit; the copy is announced when the device copy goes)",
     _TRANSFER_FIELDS,
     replayed=False,
 )

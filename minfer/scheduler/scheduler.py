@@ -66,6 +66,7 @@ class Scheduler:
             engine.page_table,
             self.config.cache,
             HostTier(engine.kv_pool, host_pool) if host_pool is not None else None,
+            self.config.host_kv_write_policy,
         )
         if self.trace.enabled and hasattr(self.kv.prefix_cache, "trace"):
             self.kv.prefix_cache.trace = self.trace  # kv_offloaded / kv_loaded events

@@ -18,10 +18,10 @@ from minfer.observability.trace_check import check_file, format_report
 PS = 4
 
 
-def make_cache(device_pages: int, host_pages: int, dtype=torch.float32):
+def make_cache(device_pages: int, host_pages: int, dtype=torch.float32, write_policy="write_back"):
     pool = KVPool(2, device_pages * PS, 2, 8, PS, dtype, torch.device("cpu"))
     host = HostKVPool(pool, host_pages * PS, PS, pin=False)
-    cache = TieredRadixCache(PageAllocator(device_pages, PS), HostTier(pool, host))
+    cache = TieredRadixCache(PageAllocator(device_pages, PS), HostTier(pool, host), write_policy)
     return pool, cache
 
 
@@ -64,6 +64,54 @@ def test_evicted_prefix_comes_back_bit_for_bit(dtype):
     cache.audit([])
 
 
+def test_one_eviction_writes_back_every_node_in_one_transfer():
+    """Three nodes (a shared head and two branches) evicted by one call: one offload, whose
+    pages all come back bit for bit."""
+    pool, cache = make_cache(device_pages=6, host_pages=8)
+    head, left, right = list(range(8)), [50, 51, 52, 53], [60, 61, 62, 63]
+    want = {}
+    for tokens in (head + left, head + right):
+        match = cache.match(tokens)
+        own = [
+            p * PS + i
+            for p in cache.allocator.alloc((len(tokens) - len(match.slots)) // PS)
+            for i in range(PS)
+        ]
+        fill(pool, own, seed=len(want))
+        cache.insert(tokens, match.slots + own, match.handle)
+        want[tuple(tokens)] = rows(pool, match.slots + own)
+    assert sum(1 for _ in cache._nodes()) == 3
+    assert cache.evict(4) == 4 and cache.tier.counters.offload_copies == 1  # one transfer
+    cache.audit([])
+    for tokens, expected in want.items():
+        match = cache.match(list(tokens) + [99])
+        assert all(torch.equal(a, b) for a, b in zip(rows(pool, match.slots), expected))
+        cache.release(match.handle)
+        cache.evict(4)
+    cache.audit([])
+
+
+def test_match_cost_prices_a_match_without_making_it():
+    from minfer.kvcache.match_cost import match_cost
+
+    pool, cache = make_cache(device_pages=6, host_pages=8)
+    head, tail = list(range(8)), list(range(50, 58))  # two pages each
+    cache.insert(head + tail, [p * PS + i for p in cache.allocator.alloc(4) for i in range(PS)], None)
+    cache.evict(2)  # `tail` goes to the host; `head` stays on the device, unlocked
+    # head unlocked (2 pages become locked) + the first page of tail on the host only (1 free page)
+    assert match_cost(cache, head + tail[:4] + [99]) == (12, 3)
+    assert cache.tier.counters.hits == 0 and sum(1 for _ in cache._nodes()) == 2  # no load, no split
+    held = cache.match(head + [99])
+    assert match_cost(cache, head + tail) == (16, 2)  # head is locked by another request: free
+    available = cache.allocator.num_free_pages + cache.evictable_pages
+    match = cache.match(head + tail[:4] + [99])  # what the match really takes matches the price
+    assert len(match.slots) == 12
+    assert available - (cache.allocator.num_free_pages + cache.evictable_pages) == 1
+    cache.release(match.handle)
+    cache.release(held.handle)
+    cache.audit([])
+
+
 def test_host_eviction_is_lru_and_drops_for_good():
     pool, cache = make_cache(device_pages=2, host_pages=2)
     for k in range(3):  # three two-page prefixes through a two-page device pool
@@ -80,11 +128,55 @@ def test_host_eviction_is_lru_and_drops_for_good():
     assert cache.host_pages == 2 and cache.cached_pages == 0
 
 
+def test_write_through_copies_on_the_second_hit_and_eviction_only_frees():
+    pool, cache = make_cache(device_pages=4, host_pages=8, write_policy="write_through")
+    tokens = list(range(8))
+    slots = [p * PS + i for p in cache.allocator.alloc(2) for i in range(PS)]
+    fill(pool, slots, seed=1)
+    want = rows(pool, slots)
+    cache.insert(tokens, slots, None)
+    offloaded = []
+    for _ in range(3):
+        match = cache.match(tokens + [99])
+        assert match.slots == slots  # on the device all along
+        offloaded.append(cache.tier.counters.tokens_offloaded)
+        cache.audit([match.handle])
+        cache.release(match.handle)
+    assert offloaded == [0, 8, 8] and cache.host_pages == 2  # copied once, on the second hit
+    assert cache.written_through == set(
+        cache.host_allocator.pages_of_slots(cache._root.children[(0, 1, 2, 3)].host_slots)
+    )
+    assert cache.evict(2) == 2 and cache.tier.counters.tokens_offloaded == 8  # no second copy
+    assert not cache.written_through  # announced (kv_offloaded) as its device copy went
+    fill(pool, slots, seed=2)  # the device pages are reused
+    match = cache.match(tokens + [99])
+    assert all(torch.equal(a, b) for a, b in zip(rows(pool, match.slots), want))
+    cache.release(match.handle)
+    cache.audit([])
+
+
+def test_write_through_never_drops_a_host_copy_hit_more_often():
+    pool, cache = make_cache(device_pages=4, host_pages=2, write_policy="write_through")
+    hot, warm = list(range(8)), list(range(100, 108))
+    for tokens, hits in ((hot, 3), (warm, 2)):
+        if cache.allocator.num_free_pages < 2:
+            cache.evict(2)
+        cache.insert(tokens, [p * PS + i for p in cache.allocator.alloc(2) for i in range(PS)], None)
+        for _ in range(hits):
+            cache.release(cache.match(tokens + [99]).handle)
+    # `hot` (3 hits) took the whole host tier on its second hit; `warm` (2 hits) may not drop it.
+    assert cache.host_pages == 2 and cache.prefix_length(hot) == 8
+    assert not cache.host_allocator.num_free_pages and cache.tier.counters.tokens_offloaded == 8
+    cache.audit([])
+
+
 def test_refusals_name_the_flag(tmp_path):
     with pytest.raises(ConfigError, match="host-kv-cache-gb"):
         LLM("qwen3-0.6b", load_format="dummy", host_kv_cache_gb=1.0, cache="naive")
     with pytest.raises(ConfigError, match="host-kv-cache-gb"):
         LLM("qwen3-0.6b", load_format="dummy", host_kv_cache_gb=-1.0)
+    with pytest.raises(ConfigError, match="host_kv_write_policy='write_around'"):
+        LLM("qwen3-0.6b", load_format="dummy", host_kv_cache_gb=1.0, host_kv_write_policy="write_around")
 
 
 # -- multi-turn conversations ------------------------------------------------------------------
@@ -101,9 +193,9 @@ def model_path(tmp_path_factory):
     return str(path)
 
 
-def converse(model_path, params_of, trace=None, **options):
-    """Every conversation's rounds in turn; returns outputs, each round's (prefix hit tokens,
-    whole-history tokens), and the LLM."""
+def converse(model_path, params_of, trace=None, system=(), **options):
+    """Every conversation's rounds in turn, each history starting with `system`; returns
+    outputs, each round's (prefix hit tokens, whole-history tokens), and the LLM."""
     llm = LLM(
         model_path,
         page_size=PS,
@@ -112,7 +204,7 @@ def converse(model_path, params_of, trace=None, **options):
         trace_requests=trace,
         **options,
     )
-    history = [[(11 * c + j) % 256 for j in range(TURN)] for c in range(CONVERSATIONS)]
+    history = [[*system, *((11 * c + j) % 256 for j in range(TURN))] for c in range(CONVERSATIONS)]
     outputs, rounds = [], []
     counters = llm.scheduler.kv.prefix_cache.counters
     for r in range(ROUNDS):
@@ -135,14 +227,22 @@ def seeded(r, c):
     return SamplingParams(temperature=0.9, top_p=0.9, seed=100 * r + c, max_tokens=ANSWER, ignore_eos=True)
 
 
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
 @pytest.mark.parametrize("params_of", [greedy, seeded], ids=["greedy", "seeded"])
-def test_multiturn_hits_whole_history_with_host_tier(model_path, params_of, tmp_path):
+def test_multiturn_hits_whole_history_with_host_tier(model_path, params_of, policy, tmp_path):
     # One request at a time: every hit is the request's own history, never cut by a neighbour.
     small = dict(kv_cache_tokens=POOL_TOKENS, max_running_requests=1)
     want, _, _ = converse(model_path, params_of, kv_cache_tokens=4096)  # unconstrained
     without, rounds_without, _ = converse(model_path, params_of, **small)
     trace = tmp_path / "trace.jsonl"
-    got, rounds, llm = converse(model_path, params_of, trace=str(trace), host_kv_cache_gb=0.01, **small)
+    got, rounds, llm = converse(
+        model_path,
+        params_of,
+        trace=str(trace),
+        host_kv_cache_gb=0.01,
+        host_kv_write_policy=policy,
+        **small,
+    )
     assert got == want and without == want
     for r, (hit, whole) in enumerate(rounds):
         if r >= 1:
@@ -158,14 +258,24 @@ def test_multiturn_hits_whole_history_with_host_tier(model_path, params_of, tmp_
     assert '"kv_loaded"' in trace.read_text() and '"kv_offloaded"' in trace.read_text()
 
 
-def test_multiturn_concurrent_outputs_unchanged(model_path):
-    """Interleaved conversations (loads compete with neighbours for the pool, preemption happens)."""
-    want, _, _ = converse(model_path, greedy, kv_cache_tokens=4096)
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_multiturn_concurrent_outputs_unchanged(model_path, policy):
+    """Interleaved conversations (loads compete with neighbours for the pool, preemption happens)
+    that share a system prompt: every request hits it, so write_through copies it early."""
+    system = [(5 * j + 1) % 256 for j in range(4 * PS)]
+    want, _, _ = converse(model_path, greedy, system=system, kv_cache_tokens=4096)
     got, rounds, llm = converse(
-        model_path, greedy, kv_cache_tokens=POOL_TOKENS, max_running_requests=3, host_kv_cache_gb=0.01
+        model_path,
+        greedy,
+        system=system,
+        kv_cache_tokens=POOL_TOKENS,
+        max_running_requests=3,
+        host_kv_cache_gb=0.01,
+        host_kv_write_policy=policy,
     )
     assert got == want
-    assert llm.scheduler.kv.host_tier.counters.hits > 0
+    c = llm.scheduler.kv.host_tier.counters
+    assert c.hits > 0 and (c.tokens_written_through > 0) == (policy == "write_through")
 
 
 # -- the asynchronous path, on CPU ---------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Property test of the two-tier page invariant: random add / step / abort / device eviction /
-host eviction with the host KV tier on. After every operation every device page and every host
+host eviction with the host KV tier on, under both write policies. After every operation every device page and every host
 page is owned exactly once (KVManager.check -> TieredRadixCache.audit); at the end every greedy
 output is the one its prompt gets alone."""
 
@@ -63,12 +63,14 @@ engine_options = st.fixed_dictionaries(
 )
 
 
+# Both write policies: write_through copies nodes hit twice (the shared SYSTEMS heads) early.
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     options=engine_options,
     ops=st.lists(st.one_of(add, add, add, step, step, abort, evict, evict), min_size=8, max_size=40),
 )
-def test_random_ops_keep_both_tiers_exact(model_path, monkeypatch, options, ops):
+def test_random_ops_keep_both_tiers_exact(model_path, monkeypatch, policy, options, ops):
     from deferred_load_tier import DeferredLoadTier
 
     import minfer.scheduler.scheduler as scheduler_module
@@ -78,7 +80,9 @@ def test_random_ops_keep_both_tiers_exact(model_path, monkeypatch, options, ops)
     monkeypatch.setattr(
         scheduler_module, "HostTier", DeferredLoadTier if options.pop("deferred_loads") else HostTier
     )
-    llm = LLM(model_path, check_kv_invariants=True, log_level="warning", **options)
+    llm = LLM(
+        model_path, check_kv_invariants=True, log_level="warning", host_kv_write_policy=policy, **options
+    )
     sched = llm.scheduler
     cache = sched.kv.prefix_cache
     live: dict[int, tuple] = {}  # uid -> (req, prompt index, max_tokens)
