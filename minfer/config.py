@@ -13,6 +13,14 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from minfer.defaults import (  # noqa: F401 (re-exported: the defaults are part of the options' story)
+    CPU_DEFAULT_KV_CACHE_TOKENS,
+    CPU_DEFAULT_MAX_RUNNING_REQUESTS,
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    default_chunked_prefill_size,
+    default_max_running_requests,
+)
+
 
 class ConfigError(ValueError):
     """A user's option value that minfer refuses; the CLI prints it as one line (exit code 2)."""
@@ -26,24 +34,8 @@ def _opt(default, help: str, choices: tuple | None = None, nargs: str | None = N
     return field(default=default, metadata={"help": help, "choices": choices, "nargs": nargs})
 
 
-# Values used when a field below is left at None and the device is a CPU.
-CPU_DEFAULT_KV_CACHE_TOKENS = 16384
-DEFAULT_MAX_RUNNING_REQUESTS = 256
-# `minfer bench offline` on the default model stops gaining throughput past this many running
-# requests on CPU; with --quantization a row costs less and serving throughput still grows at 32
-# (concurrency 64: 95.1 vs 84.2 tok/s at 16; docs/BENCHMARKS.md "CPU serving, final").
-CPU_DEFAULT_MAX_RUNNING_REQUESTS = 16
-CPU_QUANTIZED_DEFAULT_MAX_RUNNING_REQUESTS = 32
 # --quantization values (minfer/models/quantize.py applies them)
 QUANTIZATION_METHODS = ("none", "gguf", "int4", "int8")
-
-
-def default_max_running_requests(device_type: str, quantization: str | None = None) -> int:
-    """The running-request cap when `max_running_requests` is not given."""
-    if device_type != "cpu":
-        return DEFAULT_MAX_RUNNING_REQUESTS
-    unquantized = quantization in (None, "none")
-    return CPU_DEFAULT_MAX_RUNNING_REQUESTS if unquantized else CPU_QUANTIZED_DEFAULT_MAX_RUNNING_REQUESTS
 
 
 @dataclass
@@ -125,7 +117,10 @@ class EngineConfig:
         "serving: requests that may wait beyond max-running-requests; more are refused at once with 503 and "
         "Retry-After (0: none may wait; a large number: no practical limit)",
     )
-    chunked_prefill_size: int = _opt(8192, "token budget of one prefill step; longer prompts span steps")
+    chunked_prefill_size: int | None = _opt(
+        None,
+        "token budget of one prefill step (8192; 2048 for --quantization on CPU); longer prompts span steps",
+    )
     attention_backend: str = _opt("auto", "auto = triton on CUDA, torch on CPU", ("auto", "torch", "triton"))
     cache: str = _opt(
         "radix", "prefix cache: radix shares prompt prefixes, naive shares nothing", ("radix", "naive")

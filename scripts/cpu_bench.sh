@@ -6,6 +6,7 @@
 # The client runs on the other core(s) ($CLIENT_CPUS). Run it on a quiet machine.
 #   QUANT=gguf scripts/cpu_bench.sh          # QUANT=none for the float32 baseline
 #   EXTRA="--max-running-requests 32" scripts/cpu_bench.sh
+#   CONCS="16 64" OFFLINE=0 scripts/cpu_bench.sh   # a subset: those concurrencies, no offline run
 # Writes JSON and logs under $OUT (default /tmp/cpu_bench) and prints one summary table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,8 @@ CLIENT_CPUS=${CLIENT_CPUS:-0}
 PORT=${PORT:-8177}
 OUT=${OUT:-/tmp/cpu_bench}
 EXTRA=${EXTRA:-}
+CONCS=${CONCS:-1 4 16 64}
+OFFLINE=${OFFLINE:-1}
 mkdir -p "$OUT"
 {
   echo "commit $(git rev-parse --short HEAD)  quantization $QUANT  extra: $EXTRA"
@@ -24,7 +27,7 @@ mkdir -p "$OUT"
 } | tee "$OUT/machine.txt"
 
 # shellcheck disable=SC2086
-taskset -c "$SERVER_CPU" python3 -m minfer bench offline --cpu-threads 1 --quantization "$QUANT" \
+[ "$OFFLINE" = 1 ] && taskset -c "$SERVER_CPU" python3 -m minfer bench offline --cpu-threads 1 --quantization "$QUANT" \
   --num-requests 1 --input-len 256 --output-len 256 $EXTRA 2>&1 | grep -v Warning | tail -8 | tee "$OUT/offline.txt"
 
 # shellcheck disable=SC2086
@@ -42,15 +45,15 @@ bench() {  # concurrency
     --num-prompts "$prompts" --num-warmups 2 --seed "$conc" --output-json "$OUT/conc$conc.json" \
     > "$OUT/conc$conc.txt" 2>&1
 }
-for conc in 1 4 16 64; do bench "$conc"; done
+for conc in $CONCS; do bench "$conc"; done
 kill -TERM $SERVER
 wait $SERVER
 
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" $CONCS <<'PY'
 import json, sys
 out = sys.argv[1]
 print(f"{'conc':>5} {'TTFT p50 ms':>12} {'ITL p50 ms':>11} {'output tok/s':>13}")
-for conc in (1, 4, 16, 64):
+for conc in map(int, sys.argv[2:]):
     try:
         s = json.load(open(f"{out}/conc{conc}.json"))
         s = s.get("summary", s)
@@ -58,4 +61,4 @@ for conc in (1, 4, 16, 64):
     except (OSError, KeyError, ValueError) as e:
         print(f"{conc:>5} no result ({e!r}); see {out}/conc{conc}.txt")
 PY
-grep "decode throughput" "$OUT/offline.txt"
+[ "$OFFLINE" = 1 ] && grep "decode throughput" "$OUT/offline.txt"

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "minfer"
 # Bottom to top; a module may import from its own layer or below (docs/ARCHITECTURE.md).
 # Each entry is a top-level module or package of minfer/.
 LAYERS = [
-    ["core", "config", "device"],  # types every layer shares
+    ["core", "config", "defaults", "device"],  # types every layer shares
     ["observability"],  # trace events, metrics: about requests, not the engine
     ["kernels", "distributed"],  # Triton kernels; process groups and collectives
     ["kvcache"],  # pool, allocator, page table, prefix caches

@@ -89,6 +89,7 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     output_tokens = sum(p.max_tokens for p in params)
     engine = llm.engine
     # imported here: it imports torch, and the CLI parser imports this module
+    from minfer.engine.memory import parameter_bytes
     from minfer.models.quantize import decode_weight_bytes
 
     num_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
@@ -98,7 +99,7 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     floor = workload_floor(
         card,
         num_params * engine.tp.size,
-        decode_weight_bytes(engine.model, engine.memory.weights_bytes) * engine.tp.size,
+        decode_weight_bytes(engine.model, parameter_bytes(engine.model)) * engine.tp.size,
         engine.kv_bytes_per_token * engine.tp.size,
         [len(p) for p in prompts],
         [p.max_tokens for p in params],

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minfer.attention.base import ForwardContext, build_metadata
-from minfer.config import EngineConfig, default_max_running_requests
+from minfer.config import EngineConfig, default_chunked_prefill_size, default_max_running_requests
 from minfer.core import Batch, LogprobRow, Phase
 from minfer.device import set_cpu_threads, to_device
 from minfer.distributed.parallel import SINGLE, TPGroup
@@ -147,6 +147,8 @@ class Engine:
             if tp.size > 1:  # one GPU per rank of this node
                 self.device = torch.device("cuda", tp.local_rank)
             torch.cuda.set_device(self.device.index or 0)
+        if config.chunked_prefill_size is None:  # its default depends on the device (config.py)
+            config.chunked_prefill_size = default_chunked_prefill_size(self.device.type, config.quantization)
         if self.device.type == "cpu" and tp.size == 1:  # TP ranks set theirs on joining (parallel.py)
             set_cpu_threads(config.cpu_threads)
         self.source = model_source(config)

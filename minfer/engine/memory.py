@@ -104,18 +104,7 @@ class MemoryBudget:
         )
 
 
-def _param_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights the model holds: its parameters, and the tensors a --quantization
-    layer keeps beside them (`low_bit`: packed codes, scales, the pre-laid-out dense copy, a
-    low-bit head's dense matrix), each storage counted once."""
-    tensors = list(model.parameters())
-    for module in model.modules():
-        low_bit = getattr(module, "low_bit", None)
-        if low_bit is not None:
-            tensors += [t for t in vars(low_bit).values() if isinstance(t, torch.Tensor)]
-            inner = getattr(low_bit, "low_bit", None)  # a LowBitHead wraps the kernel's weights
-            if inner is not None:
-                tensors += [t for t in vars(inner).values() if isinstance(t, torch.Tensor)]
+def _tensor_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
         # a oneDNN-packed matrix is opaque (no data pointer): its logical size, counted once
@@ -126,9 +115,29 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters, a tied matrix counted once."""
+    return _tensor_bytes(model.parameters())
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights the model holds (the memory line's figure): its parameters, and the
+    tensors a --quantization layer keeps beside them (`low_bit`: packed codes, scales, the
+    pre-laid-out dense copy, a low-bit head's dense matrix), each storage counted once."""
+    tensors = list(model.parameters())
+    for module in model.modules():
+        low_bit = getattr(module, "low_bit", None)
+        if low_bit is not None:
+            tensors += [t for t in vars(low_bit).values() if isinstance(t, torch.Tensor)]
+            inner = getattr(low_bit, "low_bit", None)  # a LowBitHead wraps the kernel's weights
+            if inner is not None:
+                tensors += [t for t in vars(inner).values() if isinstance(t, torch.Tensor)]
+    return _tensor_bytes(tensors)
+
+
 def plan_memory(engine, in_use_before: int) -> MemoryBudget:
     cfg = engine.config
-    weights = _param_bytes(engine.model)
+    weights = resident_weight_bytes(engine.model)
     experts = expert_weight_bytes(engine.model)
     per_token = engine.kv_bytes_per_token
     staging = host_staging_bytes(cfg, per_token)

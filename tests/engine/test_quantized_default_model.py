@@ -53,5 +53,7 @@ def test_memory_line_counts_the_low_bit_weights():
     low_bit = [m.low_bit for m in model.modules() if getattr(m, "low_bit", None) is not None]
     packed = sum(getattr(w, "low_bit", w).nbytes for w in low_bit)  # a head wraps its kernel's weights
     weights = llm.engine.memory.weights_bytes
+    prefill_budget = llm.engine.config.chunked_prefill_size  # resolved by the engine (defaults.py)
     llm.shutdown()
     assert weights >= params + packed
+    assert prefill_budget == 2048

@@ -135,11 +135,14 @@ def test_none_keeps_the_float32_model_and_quantized_decode_reads_less(tmp_path):
 def test_cpu_default_running_cap_follows_quantization():
     """A quantized CPU model runs up to 32 requests (its throughput grows past 16: BENCHMARKS.md),
     the float32 default keeps 16; an explicit --max-running-requests always wins."""
-    from minfer.config import default_max_running_requests
+    from minfer.config import default_chunked_prefill_size, default_max_running_requests
 
     assert default_max_running_requests("cpu") == default_max_running_requests("cpu", "none") == 16
     assert default_max_running_requests("cpu", "gguf") == default_max_running_requests("cpu", "int4") == 32
     assert default_max_running_requests("cuda", "none") > 32
+    # and a quantized CPU model prefills in steps of 2048 tokens (concurrency 64 serves faster)
+    assert default_chunked_prefill_size("cpu", "gguf") == 2048
+    assert default_chunked_prefill_size("cpu") == default_chunked_prefill_size("cuda", "gguf") == 8192
 
 
 def test_prepacked_dense_matrix_gives_f_linear_bits():
