@@ -9,7 +9,14 @@ COUNTERS = (
     ("host_cache_hits", "Prefix hits that loaded pages from the host KV tier."),
     ("host_cache_tokens_loaded", "Tokens of K/V copied host -> device."),
     ("host_cache_bytes_loaded", "Bytes of K/V copied host -> device."),
-    ("host_cache_bytes_offloaded", "Bytes of K/V written back device -> host on eviction."),
+    (
+        "host_cache_bytes_offloaded",
+        "Bytes of K/V copied device -> host (on eviction, or a write-through hit).",
+    ),
+    (
+        "host_cache_tokens_written_through",
+        "Tokens of K/V copied to the host on a second hit (write_through).",
+    ),
 )
 
 
@@ -20,6 +27,7 @@ def host_tier_stats(host) -> dict:
         "host_cache_tokens_loaded": host.tokens_loaded,
         "host_cache_bytes_loaded": host.bytes_loaded,
         "host_cache_bytes_offloaded": host.bytes_offloaded,
+        "host_cache_tokens_written_through": host.tokens_written_through,
         "host_cache_loads": host.loads,
         "host_cache_load_seconds_sum": host.load_seconds_sum,
         "host_cache_load_seconds_buckets": list(host.load_seconds_buckets),
@@ -27,7 +35,7 @@ def host_tier_stats(host) -> dict:
 
 
 def host_tier_families(stats: dict, names: MetricNames):
-    """The four counters and the load-time histogram (cumulative buckets, as counted)."""
+    """The counters and the load-time histogram (cumulative buckets, as counted)."""
     from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
     for name, doc in COUNTERS:
