@@ -54,15 +54,8 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         self._masks_of: AttentionMetadata | None = None
         self._masks: dict[int, torch.Tensor] = {}
 
-    def forward(
-        self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, new_kv=None
-    ) -> torch.Tensor:
-        assert new_kv is None, "this backend expects the pass's K/V in the pool (writes_new_kv is False)"
-        if ctx.attn.is_decode:
-            return self._fast_decode(q, layer, ctx, scale)
-        return self._prefill(q, layer, ctx, scale)
-
-    def _fast_decode(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+    # TorchAttentionBackend.forward dispatches to these two: a decode pass, a prefill pass.
+    def _decode(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
         plan = self.decode_plan(ctx.attn)
         pool = ctx.kv_pool
         batch, num_heads, head_dim = q.shape
@@ -108,7 +101,7 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         v = torch.index_select(pool.v[layer], 0, slots, out=self._v_buf[:size].view(shape))
         return k, v
 
-    def _prefill(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+    def _per_request(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
         meta = ctx.attn
         if self._masks_of is not meta:  # one causal mask per request per pass, not per layer
             self._masks_of, self._masks = meta, {}
