@@ -31,6 +31,7 @@ copy) print as GOAL met/MISSED lines and do not change the exit status.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import sys
@@ -93,6 +94,7 @@ def converse(
     check=False,
     clients=None,
     profile=False,
+    gpu_trace=False,
 ) -> Run:
     """All rounds of `conversations` conversations; in each round the turns are queued
     `clients` at a time (all at once by default), each group after the previous one finished."""
@@ -140,7 +142,9 @@ def converse(
         run.wholes.append(sum((len(h) - args.turn_len - 1) // ps * ps for h in histories) if r else 0)
         outs, ttfts, step = [], [], clients or conversations
         for i in range(0, conversations, step):
-            group_outs, group_ttfts = run_round(sched, histories[i : i + step], params_of(r))
+            traced = gpu_trace and host_gb and r == args.rounds - 1 and i == 0
+            with gpu_timeline(sched) if traced else contextlib.nullcontext():
+                group_outs, group_ttfts = run_round(sched, histories[i : i + step], params_of(r))
             outs += group_outs
             ttfts += group_ttfts
         if profiler is not None:
@@ -160,6 +164,85 @@ def converse(
     run.e2e_tok_s = (c.generation_tokens - generated0) / (time.perf_counter() - started)
     run.decode_tok_s = (c.decode_batch_total - decode0[0]) / max(1e-9, c.decode_seconds - decode0[1])
     return run
+
+
+# Device events the timeline shows one by one (by a part of their name); other kernels are
+# counted per scheduler step. The pool's gathers are index_select, its scatters index_copy_.
+COPY_KINDS = (("HtoD", "H2D"), ("DtoH", "D2H"), ("indexSelect", "gather"), ("ndex", "scatter"))
+
+# CPU calls the GPU timeline marks (each a row of its "cpu" lane), by object and method name.
+ANNOTATED = (
+    ("scheduler", "step"),
+    ("engine", "forward_batch"),
+    ("cache", "match"),
+    ("cache", "evict"),
+    ("tier", "load"),
+    ("tier", "offload"),
+)
+
+
+@contextlib.contextmanager
+def gpu_timeline(sched):
+    """torch.profiler over one group of requests; prints each CUDA stream's busy segments (copies
+    by direction, gathers, scatters, other kernels merged) beside the CPU calls that issued them,
+    in ms from the group's first event: which copy or pass a TTFT waits for."""
+    owners = {
+        "scheduler": sched,
+        "engine": sched.engine,
+        "cache": sched.kv.prefix_cache,
+        "tier": sched.kv.host_tier,
+    }
+    for owner, name in ANNOTATED:
+        fn = getattr(owners[owner], name)
+
+        def marked(*a, _fn=fn, _label=f"{owner}.{name}", **k):
+            with torch.profiler.record_function(_label):
+                return _fn(*a, **k)
+
+        setattr(owners[owner], name, marked)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            yield
+    finally:
+        for owner, name in ANNOTATED:
+            delattr(owners[owner], name)  # the class's method again
+    labels = {f"{o}.{n}" for o, n in ANNOTATED}
+    rows, kernels = [], {}
+    for e in prof.profiler.kineto_results.events():
+        name, cuda = e.name(), "CUDA" in str(e.device_type())
+        if name in labels and not cuda:
+            rows.append([e.start_ns(), e.end_ns(), "cpu", name, 1])
+        elif cuda and name not in labels:
+            if "Memcpy" in name and e.duration_ns() < 10_000:
+                continue  # the pinned index tensors' uploads
+            kind = next((k for key, k in COPY_KINDS if key in name), "kernels")
+            rows.append([e.start_ns(), e.end_ns(), f"stream {e.device_resource_id()}", kind, 1])
+            total = kernels.setdefault(name[:70], [0, 0])
+            total[0], total[1] = total[0] + 1, total[1] + e.duration_ns()
+    rows.sort()
+    t0 = rows[0][0] if rows else 0
+    compute = [r for r in rows if r[3] == "kernels"]
+    merged: list[list] = []
+    last_of: dict[str, list] = {}
+    for row in rows:  # consecutive copies of one kind on one stream, < 50 us apart, are one segment
+        if row[3] == "kernels":
+            continue
+        prev = last_of.get(row[2])
+        if row[2] != "cpu" and prev and prev[3] == row[3] and row[0] - prev[1] < 50_000:
+            prev[1], prev[4] = max(prev[1], row[1]), prev[4] + 1
+            continue
+        merged.append(row)
+        last_of[row[2]] = row
+    for start, end, lane, kind, n in merged[:200]:
+        busy = ""
+        if kind == "scheduler.step":  # how much of the step the GPU computed: CPU-bound or not
+            inside = [k for k in compute if start <= k[0] < end]
+            ms = sum(k[1] - k[0] for k in inside) / 1e6
+            busy = f"  (compute kernels launched in it: {len(inside)}, {ms:.2f} ms of GPU time)"
+        print(f"GPU {(start - t0) / 1e6:8.2f} +{(end - start) / 1e6:6.2f} ms  {lane:10s} {kind} x{n}{busy}")
+    for name, (count, ns) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:15]:
+        print(f"GPU kernel {ns / 1e6:7.2f} ms x{count:4d}  {name}")
 
 
 def print_timeline(run: Run, path: str, last: int) -> None:
@@ -284,6 +367,9 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="cProfile the tiered run's last round")
     p.add_argument(
         "--timeline", action="store_true", help="trace the tiered figures run; print round 5's events"
+    )
+    p.add_argument(
+        "--gpu-timeline", action="store_true", help="torch.profiler over round 5's first group (tiered)"
     )
     p.add_argument("--clients", type=int, default=2, help="conversations in flight at a time in the figures")
     p.add_argument("--rounds", type=int, default=5)
@@ -418,6 +504,7 @@ def main() -> int:
             timeline,
             clients=args.clients,
             profile=args.profile,
+            gpu_trace=args.gpu_timeline,
         )
         if timeline:
             print_timeline(tiered, timeline, 2 * args.clients)
@@ -437,6 +524,10 @@ def main() -> int:
                 f"{1000 * tiered.ttft_p50(r):16.1f}  {1000 * plain.ttft_p50(r):5.1f}  {ratio:5.1f}  "
                 f"{tiered.prefill_computed[r]:21d}  {plain.prefill_computed[r]:5d}"
             )
+        print(
+            f"FIGURE round {args.rounds} TTFTs, ms, in arrival order: tier "
+            f"{[round(1000 * t, 1) for t in tiered.ttfts[-1]]}, plain {[round(1000 * t, 1) for t in plain.ttfts[-1]]}"
+        )
         print(
             f"FIGURE generation throughput: decode {tiered.decode_tok_s:.0f} tok/s with the tier vs "
             f"{plain.decode_tok_s:.0f} without; end to end {tiered.e2e_tok_s:.0f} vs {plain.e2e_tok_s:.0f} tok/s"

@@ -51,16 +51,17 @@ def transfer_word(device_pool: KVPool) -> torch.dtype:
     return next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if rb % w.itemsize == 0)
 
 
-def device_page_views(device_pool: KVPool, page_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each layer's K and V tensor seen as raw pages [num_rows / page_size, page_size, row words]
-    (views of the same memory, see transfer_word): what a transfer scatters into and gathers from."""
+def device_page_view(device_pool: KVPool, page_size: int) -> torch.Tensor:
+    """The device pool's storage seen as host-laid-out pages: [device page, layer * 2 + k|v,
+    page_size * row words] (a strided view of the same memory; words: see transfer_word).
+    Page d of it holds what a host page holds for device page d, so a transfer of n pages is
+    one index_select / index_copy_ along dim 0 against a [n, layers * 2, ...] staging block."""
     word = transfer_word(device_pool)
     words = layer_row_bytes(device_pool) // word.itemsize
-
-    def pages(t: torch.Tensor) -> torch.Tensor:
-        return t.view(torch.uint8).view(-1, page_size, words * word.itemsize).view(word)
-
-    return [pages(t) for t in device_pool.k], [pages(t) for t in device_pool.v]
+    storage = device_pool.storage
+    layers_kv = storage.shape[0] * storage.shape[1]
+    pages = storage.view(torch.uint8).view(layers_kv, -1, page_size * words * word.itemsize)
+    return pages.view(word).transpose(0, 1)
 
 
 class HostKVPool:
@@ -73,10 +74,10 @@ class HostKVPool:
         self.bytes_per_token = row_bytes(device_pool)
         self.page_bytes = self.bytes_per_token * page_size
         self.allocator = PageAllocator(self.num_pages, page_size)
-        # [page, layer, k|v, slot, row words]: what `page_layout` reshapes a run of pages to.
+        # [page, layer * 2 + k|v, slot and row words]: what `page_layout` reshapes pages to.
         self.word = transfer_word(device_pool)
         row_words = layer_row_bytes(device_pool) // self.word.itemsize
-        self.page_shape = (device_pool.num_layers, 2, page_size, row_words)
+        self.page_shape = (2 * device_pool.num_layers, page_size * row_words)
         self.data = torch.zeros((self.num_pages, self.page_bytes), dtype=torch.uint8, pin_memory=pin)
         # The same bytes typed as the device pool stores them, for reading (tests, debugging).
         kv_shape = (device_pool.num_kv_heads, device_pool.head_dim)
@@ -85,8 +86,8 @@ class HostKVPool:
         )
 
     def page_layout(self, block: torch.Tensor) -> torch.Tensor:
-        """A [n, page_bytes] uint8 block (host pages or a device staging buffer) as [n, layer,
-        k|v, slot, row words]: `[:, layer, 0]` is layer's K rows of those pages."""
+        """A [n, page_bytes] uint8 block (host pages or a device staging buffer) as [n, layer * 2
+        + k|v, slot and row words], the shape of `device_page_view`'s pages."""
         return block.view(self.word).view(block.shape[0], *self.page_shape)
 
     @property

@@ -26,7 +26,8 @@ def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 
 
 class KVPool:
-    """Per-layer K/V storage of shape [num_slots + page_size, num_kv_heads, head_dim].
+    """Per-layer K/V tensors of shape [num_slots + page_size, num_kv_heads, head_dim], views of
+    one `storage` tensor.
 
     The last page (slots num_slots .. num_slots + page_size - 1) is never handed out: padded
     rows of a CUDA-graph batch write their K/V there, so they cannot corrupt a real request.
@@ -57,9 +58,16 @@ class KVPool:
         self.dtype = dtype  # what gather() returns and attention computes in
         self.storage_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
         self.quantized = self.storage_dtype != dtype
-        shape = (num_slots + page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=self.storage_dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.storage_dtype, device=device) for _ in range(num_layers)]
+        # One allocation [layer, k|v, slot, kv head, dim], each layer's K and V a contiguous view
+        # of it: the host tier moves a page of every layer with ONE gather or scatter kernel
+        # over this tensor (minfer/kvcache/host_tier.py) instead of one per layer and K/V.
+        self.storage = torch.zeros(
+            (num_layers, 2, num_slots + page_size, num_kv_heads, head_dim),
+            dtype=self.storage_dtype,
+            device=device,
+        )
+        self.k = [self.storage[i, 0] for i in range(num_layers)]
+        self.v = [self.storage[i, 1] for i in range(num_layers)]
         self.k_scale = torch.ones((num_layers, num_kv_heads), dtype=torch.float32, device=device)
         self.v_scale = torch.ones((num_layers, num_kv_heads), dtype=torch.float32, device=device)
         # What the Triton kernels take for each layer (views: set_scales updates them in place),

@@ -54,7 +54,7 @@ def test_round_trip_is_bit_exact_with_scattered_pages_and_chunks(kv_cache_dtype,
 @pytest.mark.parametrize("heads, head_dim, word", [(2, 3, torch.int16), (1, 5, torch.uint8)])
 def test_round_trip_of_rows_no_wide_word_divides(heads, head_dim, word):
     pool, tier = make_tier("auto", 2, heads, head_dim, torch.uint8)
-    assert tier.host.word == word and tier.dev_k[0].dtype == word
+    assert tier.host.word == word and tier.dev_pages.dtype == word
     round_trip(pool, tier)
 
 
