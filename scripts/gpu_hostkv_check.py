@@ -75,6 +75,8 @@ class Run:
     decode_tok_s: float  # decode-step tokens over decode-step wall time
     e2e_tok_s: float  # generated tokens over the rounds' wall time
     llm: LLM
+    prefill_steps: int = 0
+    prefill_seconds: float = 0.0  # their wall time, scheduling to tokens on the CPU
 
     def hit_rate(self, r: int) -> float:
         return self.hits[r] / max(1, self.wholes[r])
@@ -130,6 +132,7 @@ def converse(
         c.generation_tokens,
         time.perf_counter(),
     )
+    steps0 = (c.prefill_steps, c.prefill_seconds)
     for r in range(args.rounds):
         profiler = None
         if profile and r == args.rounds - 1 and host_gb:  # where the last round's CPU time goes
@@ -161,6 +164,7 @@ def converse(
         histories = [
             h + o + [rng.randrange(vocab) for _ in range(args.turn_len)] for h, o in zip(histories, outs)
         ]
+    run.prefill_steps, run.prefill_seconds = c.prefill_steps - steps0[0], c.prefill_seconds - steps0[1]
     run.e2e_tok_s = (c.generation_tokens - generated0) / (time.perf_counter() - started)
     run.decode_tok_s = (c.decode_batch_total - decode0[0]) / max(1e-9, c.decode_seconds - decode0[1])
     return run
@@ -527,6 +531,10 @@ def main() -> int:
         print(
             f"FIGURE round {args.rounds} TTFTs, ms, in arrival order: tier "
             f"{[round(1000 * t, 1) for t in tiered.ttfts[-1]]}, plain {[round(1000 * t, 1) for t in plain.ttfts[-1]]}"
+        )
+        print(
+            f"FIGURE prefill steps: {tiered.prefill_steps} at {1000 * tiered.prefill_seconds / max(1, tiered.prefill_steps):.1f} ms "
+            f"with the tier, {plain.prefill_steps} at {1000 * plain.prefill_seconds / max(1, plain.prefill_steps):.1f} ms without"
         )
         print(
             f"FIGURE generation throughput: decode {tiered.decode_tok_s:.0f} tok/s with the tier vs "
