@@ -14,10 +14,15 @@ class DeferredLoadTier(HostTier):
     pages, so equal outputs show the scheduler really waits, and eviction really settles."""
 
     POLLS_IN_FLIGHT = 3
+    # What expected_wait answers for a load in flight: infinite keeps a request out of every
+    # pass until its load lands; 0 lets it join the next pass, which then "waits" for the copy.
+    EXPECTED_WAIT = float("inf")
 
     def __init__(self, device_pool, host_pool):
         super().__init__(device_pool, host_pool)
         self.in_flight: list[list] = []  # [seq, polls left, copy or None]
+        self._seq = 0
+        self.joined = 0  # loads a pass was ordered after while in flight
 
     def load(self, host_slots, device_slots):
         c = self.counters
@@ -49,6 +54,15 @@ class DeferredLoadTier(HostTier):
 
     def wait(self, load) -> None:
         if load is not None:
+            self._land(load.seq)
+
+    def expected_wait(self, load) -> float:
+        return 0.0 if load is None or load.state[2] is None else self.EXPECTED_WAIT
+
+    def order_compute_after(self, load) -> None:
+        # On one CPU "stream" the pass runs after the copy: the copy lands now.
+        if load is not None and load.state[2] is not None:
+            self.joined += 1
             self._land(load.seq)
 
     def _land(self, seq: int) -> None:

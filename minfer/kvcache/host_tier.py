@@ -34,8 +34,9 @@ current stream: forward passes, and the offload gathers), the load stream, the o
      Passes queued afterwards overlap with it. Its H2D copies and scatters use the one load
      staging buffer in stream order, so a chunk's H2D cannot overwrite the previous chunk
      before its scatter read it.
-  5. The scheduler runs a request only once its load's end event has completed (`done`), and
-     any eviction of a node whose load is still in flight waits for it first (`wait`), so a
+  5. The scheduler runs a request only once its load's end event has completed (`done`), or
+     in a pass queued after the compute stream waits for that event (`order_compute_after`:
+     host_loads.py says when), and any eviction of a node whose load is still in flight waits for it first (`wait`), so a
      device page (or the host page it came from) never changes hands under a copy.
   6. Host pages are written only by D2H copies on the offload stream, in issue order (two
      copies into one page land in that order), and read only by loads, which rule 4 orders
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minfer.kvcache.host_loads import LoadQueue, PendingLoad
 from minfer.kvcache.host_pool import HostKVPool, device_page_view
 from minfer.kvcache.pool import KVPool
 from minfer.observability.metric_names import HOST_LOAD_BUCKETS
@@ -89,6 +91,7 @@ class HostTierCounters:
     tokens_offloaded: int = 0
     tokens_written_through: int = 0  # of those, copied on a hit (kvcache/write_policy.py)
     loads: int = 0  # loads whose time is known (finished)
+    load_bytes_timed: int = 0  # their bytes: load bandwidth = this / load_seconds_sum
     load_waits: int = 0  # times a request was passed over because its load was still in flight
     load_seconds_sum: float = 0.0
     load_seconds_buckets: list[int] = field(default_factory=lambda: [0] * len(HOST_LOAD_BUCKETS))
@@ -96,22 +99,13 @@ class HostTierCounters:
     offload_bytes_timed: int = 0  # their bytes: offload bandwidth = this / offload_seconds_sum
     offload_seconds_sum: float = 0.0  # CUDA: the D2H copies on the offload stream; CPU: the copy
 
-    def observe_load(self, seconds: float) -> None:
+    def observe_load(self, seconds: float, num_bytes: int) -> None:
         self.loads += 1
+        self.load_bytes_timed += num_bytes
         self.load_seconds_sum += seconds
         for i, bound in enumerate(HOST_LOAD_BUCKETS):
             if seconds <= bound:
                 self.load_seconds_buckets[i] += 1
-
-
-@dataclass
-class PendingLoad:
-    """A host->device copy queued on the load stream (CUDA only)."""
-
-    seq: int  # issue order: one stream, so a later load's completion implies an earlier one's
-    start: torch.cuda.Event
-    end: torch.cuda.Event
-    observed: bool = False
 
 
 @dataclass
@@ -170,7 +164,7 @@ class HostTier:
         self._offloads_done = 0  # every chunk up to this one has finished
         self._page_writer = [0] * host_pool.num_pages  # host page -> the chunk that last wrote it
         self.counters = HostTierCounters()
-        self._seq = 0
+        self.loads = LoadQueue(self.counters)
 
     # -- the two directions, chunk by chunk ------------------------------------------------------
     def _pages(self, host_slots: list[int], device_slots: list[int]) -> tuple[list[int], list[int]]:
@@ -267,7 +261,7 @@ class HostTier:
         if not self.cuda:
             start = time.perf_counter()
             self._load_pages(host_pages, device_pages)
-            c.observe_load(time.perf_counter() - start)
+            c.observe_load(time.perf_counter() - start, len(host_slots) * self.host.bytes_per_token)
             return None
         self.load_stream.wait_stream(torch.cuda.current_stream(self.device))  # rule 4
         writer = self._last_writer(host_pages)
@@ -278,8 +272,7 @@ class HostTier:
             start.record()
             self._load_pages(host_pages, device_pages)
             end.record()
-        self._seq += 1
-        return PendingLoad(self._seq, start, end)
+        return self.loads.issue(start, end, len(host_slots) * self.host.bytes_per_token)
 
     def _last_writer(self, host_pages: list[int]) -> torch.cuda.Event | None:
         """The end event of the latest offload chunk that wrote one of `host_pages`, if it has
@@ -294,19 +287,25 @@ class HostTier:
     def done(self, load: PendingLoad | None) -> bool:
         """Whether the load has finished (never blocks); records its time once."""
         self._observe_offloads()
-        if load is None:
+        if load is None or self.loads.has_landed(load):
             return True
-        if not load.end.query():
-            self.counters.load_waits += 1
-            return False
-        self._observe(load)
-        return True
+        self.counters.load_waits += 1
+        return False
 
     def wait(self, load: PendingLoad | None) -> None:
         """Block until the load has finished (an eviction of pages still being written)."""
         if load is not None:
             load.end.synchronize()
-            self._observe(load)
+            self.loads.land(load)
+
+    def expected_wait(self, load: PendingLoad | None) -> float:
+        """Seconds until the load lands, estimated (host_loads.py); 0 once it has."""
+        return 0.0 if load is None else self.loads.expected_wait(load)
+
+    def order_compute_after(self, load: PendingLoad | None) -> None:
+        """Passes queued from now on wait for the load on the GPU (rule 5), not on the CPU."""
+        if load is not None:
+            self.loads.order_compute_after(load, self.device)
 
     def synchronize(self) -> None:
         """Block until every queued copy has finished and its time is counted (benchmarks)."""
@@ -315,13 +314,11 @@ class HostTier:
             self.offload_stream.synchronize()
             self._observe_offloads()
 
-    def _observe(self, load: PendingLoad) -> None:
-        if not load.observed:
-            load.observed = True
-            self.counters.observe_load(load.start.elapsed_time(load.end) / 1000.0)
-
     def _observe_offloads(self) -> None:
-        """Count the D2H time of finished offload chunks (in issue order: one stream)."""
+        """Count the D2H time of finished offload chunks (in issue order: one stream), and the
+        time of landed loads."""
+        if self.cuda:
+            self.loads.poll()
         c = self.counters
         while self._offloads_in_flight and self._offloads_in_flight[0][2].query():
             self._offloads_done, start, end, num_bytes = self._offloads_in_flight.popleft()

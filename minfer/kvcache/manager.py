@@ -15,6 +15,13 @@ from minfer.kvcache.page_table import PageTable
 from minfer.kvcache.prefix_cache import KVInvariantError, NaiveCache, PrefixCache
 from minfer.kvcache.tiered_radix import TieredRadixCache
 
+# A load expected to land within this joins the pass being planned instead of a later one.
+# About what the CPU takes to launch a short prefill pass of an 8B model (13-15 ms for 320-640
+# new tokens on Llama-3.1-8B, scripts/gpu_prefill_launch.py on an H200 host): the GPU reaches
+# the pass hardly sooner than the copy lands, while a pass of its own would cost the request a
+# whole launch more (docs/MEMORY.md has the measured TTFT).
+LOAD_JOIN_MAX_WAIT_S = 0.015
+
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -130,13 +137,18 @@ class KVManager:
         return chunk, cost
 
     def load_ready(self, req: Req) -> bool:
-        """False while a host-tier load into the request's prefix is in flight: it waits, the
-        rest of the batch runs (never blocks)."""
+        """Whether the request can run in the pass being planned. A host-tier load into its
+        prefix still in flight keeps it out (it waits, the rest of the batch runs: the CPU never
+        blocks) unless the load is expected to land within LOAD_JOIN_MAX_WAIT_S: then the pass
+        is ordered after the copy on the GPU, and the request runs in it."""
         load = self.loads.get(req.uid)
         if load is None:
             return True
-        if not self.host_tier.done(load):
-            return False
+        tier = self.host_tier
+        if not tier.done(load):
+            if tier.expected_wait(load) > LOAD_JOIN_MAX_WAIT_S:
+                return False
+            tier.order_compute_after(load)
         del self.loads[req.uid]
         return True
 

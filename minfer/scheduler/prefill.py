@@ -88,7 +88,7 @@ class PrefillPlanner:
             req.preempted = False
             free_pages -= cost
             q.prefilling.append(req)
-            if not self.kv.load_ready(req):  # joins a later batch, once its load has landed
+            if not self.kv.load_ready(req):  # joins a later batch, once its load (nearly) landed
                 continue
             reqs.append(req)
             lens.append(n)

@@ -279,13 +279,18 @@ def test_multiturn_concurrent_outputs_unchanged(model_path, policy):
 
 
 # -- the asynchronous path, on CPU ---------------------------------------------------------------
+# "wait": a load in flight keeps its request out of every pass until it lands; "join": the load
+# is expected to land at once, so the request joins the next pass, ordered after the copy.
 @pytest.mark.parametrize("max_running", [1, 3])
-def test_requests_wait_for_loads_in_flight(model_path, monkeypatch, max_running):
+@pytest.mark.parametrize("mode", ["wait", "join"])
+def test_requests_wait_for_loads_in_flight(model_path, monkeypatch, max_running, mode):
     from deferred_load_tier import DeferredLoadTier
 
     import minfer.scheduler.scheduler as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "HostTier", DeferredLoadTier)
+    if mode == "join":
+        monkeypatch.setattr(DeferredLoadTier, "EXPECTED_WAIT", 0.0)
     want, _, _ = converse(model_path, seeded, kv_cache_tokens=4096)
     got, rounds, llm = converse(
         model_path,
@@ -296,6 +301,7 @@ def test_requests_wait_for_loads_in_flight(model_path, monkeypatch, max_running)
     )
     tier = llm.scheduler.kv.host_tier
     assert type(tier).__name__ == "DeferredLoadTier" and tier.counters.load_waits > 0
+    assert (tier.joined > 0) == (mode == "join")
     assert got == want
 
 

@@ -57,8 +57,9 @@ engine_options = st.fixed_dictionaries(
         # Host pools of 32 or 512 tokens (the tiny model's K/V is 512 B/token): a full host tier
         # drops nodes for good, a roomy one keeps everything.
         "host_kv_cache_gb": st.sampled_from([32 * 512 / (1 << 30), 512 * 512 / (1 << 30)]),
-        # Loads in flight (tests/deferred_load_tier.py): requests wait for them, evictions settle them.
-        "deferred_loads": st.booleans(),
+        # Loads in flight (tests/deferred_load_tier.py): requests wait for them (or join a pass
+        # ordered after them), evictions settle them.
+        "deferred_loads": st.sampled_from([None, "wait", "join"]),
     }
 )
 
@@ -77,9 +78,9 @@ def test_random_ops_keep_both_tiers_exact(model_path, monkeypatch, policy, optio
     from minfer.kvcache.host_tier import HostTier
 
     options = dict(options)
-    monkeypatch.setattr(
-        scheduler_module, "HostTier", DeferredLoadTier if options.pop("deferred_loads") else HostTier
-    )
+    deferred = options.pop("deferred_loads")
+    monkeypatch.setattr(scheduler_module, "HostTier", DeferredLoadTier if deferred else HostTier)
+    monkeypatch.setattr(DeferredLoadTier, "EXPECTED_WAIT", 0.0 if deferred == "join" else float("inf"))
     llm = LLM(
         model_path, check_kv_invariants=True, log_level="warning", host_kv_write_policy=policy, **options
     )
