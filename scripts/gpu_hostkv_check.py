@@ -479,7 +479,10 @@ def main() -> int:
                 f"{c.hits} loads, {c.load_waits} polls in flight",
             )
             if cuda:  # the waiting logic itself is tested on CPU (tests/deferred_load_tier.py)
-                print(f"FIGURE polls that found a load still in flight: {c.load_waits} of {c.hits} loads")
+                print(
+                    f"FIGURE polls that found a load still in flight: {c.load_waits} of {c.hits} loads; "
+                    f"{c.loads_joined} loads joined a pass queued after them"
+                )
             checked.llm.scheduler.tracer.flush()
             rep = check_file(trace)
             report(

@@ -22,7 +22,6 @@ class DeferredLoadTier(HostTier):
         super().__init__(device_pool, host_pool)
         self.in_flight: list[list] = []  # [seq, polls left, copy or None]
         self._seq = 0
-        self.joined = 0  # loads a pass was ordered after while in flight
 
     def load(self, host_slots, device_slots):
         c = self.counters
@@ -62,7 +61,7 @@ class DeferredLoadTier(HostTier):
     def order_compute_after(self, load) -> None:
         # On one CPU "stream" the pass runs after the copy: the copy lands now.
         if load is not None and load.state[2] is not None:
-            self.joined += 1
+            self.counters.loads_joined += 1
             self._land(load.seq)
 
     def _land(self, seq: int) -> None:

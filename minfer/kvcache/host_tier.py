@@ -93,6 +93,7 @@ class HostTierCounters:
     loads: int = 0  # loads whose time is known (finished)
     load_bytes_timed: int = 0  # their bytes: load bandwidth = this / load_seconds_sum
     load_waits: int = 0  # times a request was passed over because its load was still in flight
+    loads_joined: int = 0  # loads in flight a prefill pass was ordered after (host_loads.py)
     load_seconds_sum: float = 0.0
     load_seconds_buckets: list[int] = field(default_factory=lambda: [0] * len(HOST_LOAD_BUCKETS))
     offload_copies: int = 0  # offload chunks whose D2H time is known (finished)
@@ -305,6 +306,7 @@ class HostTier:
     def order_compute_after(self, load: PendingLoad | None) -> None:
         """Passes queued from now on wait for the load on the GPU (rule 5), not on the CPU."""
         if load is not None:
+            self.counters.loads_joined += 1
             self.loads.order_compute_after(load, self.device)
 
     def synchronize(self) -> None:

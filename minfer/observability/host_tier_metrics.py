@@ -17,6 +17,11 @@ COUNTERS = (
         "host_cache_tokens_written_through",
         "Tokens of K/V copied to the host on a second hit (write_through).",
     ),
+    (
+        "host_cache_loads_joined",
+        "Loads still in flight that a prefill pass was queued after on the GPU (expected to land "
+        "within 15 ms), instead of their request waiting for a later pass.",
+    ),
 )
 
 
@@ -28,6 +33,7 @@ def host_tier_stats(host) -> dict:
         "host_cache_bytes_loaded": host.bytes_loaded,
         "host_cache_bytes_offloaded": host.bytes_offloaded,
         "host_cache_tokens_written_through": host.tokens_written_through,
+        "host_cache_loads_joined": host.loads_joined,
         "host_cache_loads": host.loads,
         "host_cache_load_seconds_sum": host.load_seconds_sum,
         "host_cache_load_seconds_buckets": list(host.load_seconds_buckets),

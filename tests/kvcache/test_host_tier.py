@@ -301,7 +301,7 @@ def test_requests_wait_for_loads_in_flight(model_path, monkeypatch, max_running,
     )
     tier = llm.scheduler.kv.host_tier
     assert type(tier).__name__ == "DeferredLoadTier" and tier.counters.load_waits > 0
-    assert (tier.joined > 0) == (mode == "join")
+    assert (tier.counters.loads_joined > 0) == (mode == "join")
     assert got == want
 
 

@@ -65,6 +65,7 @@ def test_metrics_count_offloads_and_loads(server):
     before = metrics(server.url)
     assert before["minfer:host_cache_bytes_offloaded_total"] > 0
     assert before["minfer:host_cache_tokens_written_through_total"] == 0  # the default write_back
+    assert before["minfer:host_cache_loads_joined_total"] == 0  # CPU loads are synchronous
     again = client.completions.create(model=model, prompt=prompts[0], max_tokens=4, temperature=0)
     assert again.choices[0].text == first[prompts[0]]
     after = metrics(server.url)
