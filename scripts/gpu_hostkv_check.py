@@ -476,12 +476,12 @@ def main() -> int:
             report(
                 "page invariant after every step (concurrent)",
                 True,
-                f"{c.hits} loads, {c.load_waits} polls in flight",
+                f"{c.hits} loads, {c.loads_joined} joined a pass, {c.load_waits} passes sat out",
             )
             if cuda:  # the waiting logic itself is tested on CPU (tests/deferred_load_tier.py)
                 print(
-                    f"FIGURE polls that found a load still in flight: {c.load_waits} of {c.hits} loads; "
-                    f"{c.loads_joined} loads joined a pass queued after them"
+                    f"FIGURE {c.hits} loads: {c.loads_joined} joined a pass queued after them on the GPU; "
+                    f"requests sat out {c.load_waits} passes for a load in flight"
                 )
             checked.llm.scheduler.tracer.flush()
             rep = check_file(trace)

@@ -46,7 +46,6 @@ class DeferredLoadTier(HostTier):
             return True
         if load.state[1] > 0:
             load.state[1] -= 1
-            self.counters.load_waits += 1
             return False
         self._land(load.state[0])
         return True

@@ -29,7 +29,11 @@ class PendingLoad:
     start: torch.cuda.Event
     end: torch.cuda.Event
     num_bytes: int
+    # The end of the offload D2H into one of its host pages that it waits for (host_tier.py rule
+    # 4), if that was still in flight when the load was issued.
+    after: torch.cuda.Event | None = None
     landed: bool = False  # seen complete, its time counted
+    joined: bool = False  # the compute stream waits for it (order_compute_after)
 
 
 class LoadQueue:
@@ -40,9 +44,11 @@ class LoadQueue:
         self.in_flight: deque[PendingLoad] = deque()
         self._seq = 0
 
-    def issue(self, start: torch.cuda.Event, end: torch.cuda.Event, num_bytes: int) -> PendingLoad:
+    def issue(
+        self, start: torch.cuda.Event, end: torch.cuda.Event, num_bytes: int, after: torch.cuda.Event | None
+    ) -> PendingLoad:
         self._seq += 1
-        load = PendingLoad(self._seq, start, end, num_bytes)
+        load = PendingLoad(self._seq, start, end, num_bytes, after)
         self.in_flight.append(load)
         return load
 
@@ -63,10 +69,14 @@ class LoadQueue:
 
     def expected_wait(self, load: PendingLoad) -> float:
         """Seconds until `load` lands, estimated: the bytes of it and of every load queued before
-        it still in flight, over the bandwidth measured on the loads timed so far."""
+        it still in flight, over the bandwidth measured on the loads timed so far. 0 once it has
+        landed or the compute stream already waits for it; infinite while it still waits for an
+        offload's copy-out (not estimated: the offload stream's queue is not)."""
         self.poll()
-        if load.landed:
+        if load.landed or load.joined:
             return 0.0
+        if load.after is not None and not load.after.query():
+            return float("inf")
         pending = sum(ld.num_bytes for ld in self.in_flight if ld.seq <= load.seq)
         c = self.counters
         bandwidth = (
@@ -76,5 +86,9 @@ class LoadQueue:
 
     def order_compute_after(self, load: PendingLoad, device: torch.device) -> None:
         """Make the compute (current) stream wait on the GPU for `load`: what is queued on it
-        from now on runs after the copy. The load is counted once polled landed."""
+        from now on runs after the copy (once per load: later passes follow the first)."""
+        if load.joined:
+            return
+        load.joined = True
+        self.counters.loads_joined += 1
         torch.cuda.current_stream(device).wait_event(load.end)

@@ -92,8 +92,8 @@ class HostTierCounters:
     tokens_written_through: int = 0  # of those, copied on a hit (kvcache/write_policy.py)
     loads: int = 0  # loads whose time is known (finished)
     load_bytes_timed: int = 0  # their bytes: load bandwidth = this / load_seconds_sum
-    load_waits: int = 0  # times a request was passed over because its load was still in flight
-    loads_joined: int = 0  # loads in flight a prefill pass was ordered after (host_loads.py)
+    load_waits: int = 0  # times a request sat out a pass because its load was still in flight
+    loads_joined: int = 0  # loads in flight a pass was queued after on the GPU (host_loads.py)
     load_seconds_sum: float = 0.0
     load_seconds_buckets: list[int] = field(default_factory=lambda: [0] * len(HOST_LOAD_BUCKETS))
     offload_copies: int = 0  # offload chunks whose D2H time is known (finished)
@@ -273,7 +273,7 @@ class HostTier:
             start.record()
             self._load_pages(host_pages, device_pages)
             end.record()
-        return self.loads.issue(start, end, len(host_slots) * self.host.bytes_per_token)
+        return self.loads.issue(start, end, len(host_slots) * self.host.bytes_per_token, writer)
 
     def _last_writer(self, host_pages: list[int]) -> torch.cuda.Event | None:
         """The end event of the latest offload chunk that wrote one of `host_pages`, if it has
@@ -288,10 +288,7 @@ class HostTier:
     def done(self, load: PendingLoad | None) -> bool:
         """Whether the load has finished (never blocks); records its time once."""
         self._observe_offloads()
-        if load is None or self.loads.has_landed(load):
-            return True
-        self.counters.load_waits += 1
-        return False
+        return load is None or self.loads.has_landed(load)
 
     def wait(self, load: PendingLoad | None) -> None:
         """Block until the load has finished (an eviction of pages still being written)."""
@@ -306,7 +303,6 @@ class HostTier:
     def order_compute_after(self, load: PendingLoad | None) -> None:
         """Passes queued from now on wait for the load on the GPU (rule 5), not on the CPU."""
         if load is not None:
-            self.counters.loads_joined += 1
             self.loads.order_compute_after(load, self.device)
 
     def synchronize(self) -> None:

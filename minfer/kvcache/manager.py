@@ -139,18 +139,23 @@ class KVManager:
     def load_ready(self, req: Req) -> bool:
         """Whether the request can run in the pass being planned. A host-tier load into its
         prefix still in flight keeps it out (it waits, the rest of the batch runs: the CPU never
-        blocks) unless the load is expected to land within LOAD_JOIN_MAX_WAIT_S: then the pass
-        is ordered after the copy on the GPU, and the request runs in it."""
+        blocks) unless the load is expected to land within LOAD_JOIN_MAX_WAIT_S; then the
+        request may run, and `claim_load` orders the pass after the copy on the GPU."""
         load = self.loads.get(req.uid)
         if load is None:
             return True
         tier = self.host_tier
-        if not tier.done(load):
-            if tier.expected_wait(load) > LOAD_JOIN_MAX_WAIT_S:
-                return False
-            tier.order_compute_after(load)
-        del self.loads[req.uid]
-        return True
+        if tier.done(load) or tier.expected_wait(load) <= LOAD_JOIN_MAX_WAIT_S:
+            return True
+        tier.counters.load_waits += 1
+        return False
+
+    def claim_load(self, req: Req) -> None:
+        """`req` (load_ready) runs in the pass being planned: if its load is still in flight,
+        that pass and every later one are queued after the copy on the GPU."""
+        load = self.loads.pop(req.uid, None)
+        if load is not None and not self.host_tier.done(load):
+            self.host_tier.order_compute_after(load)
 
     def allocate(self, reqs: list[Req], extend_lens: list[int]) -> list[int]:
         """Allocate slots for each request's next `extend_lens[i]` positions; returns out_loc.
@@ -199,6 +204,8 @@ class KVManager:
             return []
         slots = self.page_table.row_slots(req.table_idx, aligned).tolist()
         match = self.prefix_cache.insert_and_lock(req.token_ids[:aligned], slots, req.cache_handle)
+        if match.load is not None:  # tree pages it is repointed to may still be loading
+            self.host_tier.order_compute_after(match.load)
         req.cache_handle = match.handle
         req.shared_len = aligned if match.handle is not None else 0  # the tree owns these pages now
         if match.slots == slots:

@@ -79,13 +79,28 @@ class TieredRadixCache(RadixCache):
             return PrefixMatch([], None)
         for node in path:
             node.hits += 1
-            if node.loading is not None and self.tier.done(node.loading):
-                node.loading = None
+        pending = self._pending_load(path)
         if self.write_through:
             write_through(self, path)
-        # One load stream: the latest load's completion implies every earlier one's.
-        pending = max((n.loading for n in path if n.loading is not None), key=lambda ld: ld.seq, default=None)
         return PrefixMatch(slots, path[-1], pending)
+
+    def insert_and_lock(self, token_ids: list[int], slots: list[int], handle: object | None) -> PrefixMatch:
+        """RadixCache's, plus the load still in flight into the locked path: where the caller's
+        pages were duplicates the tree keeps its own, and some of those may still be loading."""
+        match = super().insert_and_lock(token_ids, slots, handle)
+        path, node = [], match.handle
+        while node is not None and node is not self._root:
+            path.append(node)
+            node = node.parent
+        return PrefixMatch(match.slots, match.handle, self._pending_load(path))
+
+    def _pending_load(self, path: list[_Node]) -> object | None:
+        """The latest load still in flight into `path`'s nodes (one load stream: its completion
+        implies every earlier one's); forgets the loads that have landed."""
+        for node in path:
+            if node.loading is not None and self.tier.done(node.loading):
+                node.loading = None
+        return max((n.loading for n in path if n.loading is not None), key=lambda ld: ld.seq, default=None)
 
     def _load(self, path: list[_Node]) -> int:
         """Give the host-only nodes of `path` (a suffix of it) device pages and copy them in, in

@@ -19,8 +19,8 @@ COUNTERS = (
     ),
     (
         "host_cache_loads_joined",
-        "Loads still in flight that a prefill pass was queued after on the GPU (expected to land "
-        "within 15 ms), instead of their request waiting for a later pass.",
+        "Loads still in flight that a pass was queued after on the GPU (expected to land soon: "
+        "LOAD_JOIN_MAX_WAIT_S), instead of their request sitting out the pass.",
     ),
 )
 

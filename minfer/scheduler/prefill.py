@@ -52,6 +52,7 @@ class PrefillPlanner:
             need = self.kv.pages_needed(req, n)
             if need > free_pages:
                 break
+            self.kv.claim_load(req)
             free_pages -= need
             reqs.append(req)
             lens.append(n)
@@ -90,6 +91,7 @@ class PrefillPlanner:
             q.prefilling.append(req)
             if not self.kv.load_ready(req):  # joins a later batch, once its load (nearly) landed
                 continue
+            self.kv.claim_load(req)
             reqs.append(req)
             lens.append(n)
             budget -= n

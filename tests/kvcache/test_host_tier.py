@@ -289,8 +289,9 @@ def test_requests_wait_for_loads_in_flight(model_path, monkeypatch, max_running,
     import minfer.scheduler.scheduler as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "HostTier", DeferredLoadTier)
-    if mode == "join":
+    if mode == "join":  # and loads stay in flight until a pass is ordered after them
         monkeypatch.setattr(DeferredLoadTier, "EXPECTED_WAIT", 0.0)
+        monkeypatch.setattr(DeferredLoadTier, "POLLS_IN_FLIGHT", 10**6)
     want, _, _ = converse(model_path, seeded, kv_cache_tokens=4096)
     got, rounds, llm = converse(
         model_path,
@@ -300,8 +301,9 @@ def test_requests_wait_for_loads_in_flight(model_path, monkeypatch, max_running,
         host_kv_cache_gb=0.01,
     )
     tier = llm.scheduler.kv.host_tier
-    assert type(tier).__name__ == "DeferredLoadTier" and tier.counters.load_waits > 0
-    assert (tier.counters.loads_joined > 0) == (mode == "join")
+    assert type(tier).__name__ == "DeferredLoadTier"
+    # wait: requests sat out passes; join: none did, their passes were ordered after the loads
+    assert (tier.counters.load_waits > 0, tier.counters.loads_joined > 0) == (mode == "wait", mode == "join")
     assert got == want
 
 
@@ -329,3 +331,33 @@ def test_evicting_a_node_whose_load_is_in_flight_waits_for_it():
     assert all(torch.equal(a, b) for a, b in zip(rows(pool, reused), want))
     cache.allocator.free(cache.allocator.pages_of_slots(reused))
     cache.audit([])
+
+
+def test_a_prompt_cached_over_pages_still_loading_waits_for_them(model_path, monkeypatch):
+    """Request b computes its whole prompt (it wants prompt logprobs) while request a's load of
+    the same prefix from the host tier is in flight. Caching b's prompt repoints b to the tree's
+    pages, which are still loading, so b's later passes must wait for that copy: its output
+    equals a run whose pool holds everything."""
+    from deferred_load_tier import DeferredLoadTier
+
+    import minfer.scheduler.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "HostTier", DeferredLoadTier)
+    monkeypatch.setattr(DeferredLoadTier, "POLLS_IN_FLIGHT", 50)  # in flight through b's whole run
+    prefix = [(5 * j + 1) % 256 for j in range(64)]
+    fillers = [[(13 * c + j) % 256 for j in range(200)] for c in range(3)]  # push prefix to the host
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with_prompt_logprobs = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
+
+    def run(**options):
+        llm = LLM(model_path, page_size=PS, log_level="warning", check_kv_invariants=True, **options)
+        for prompt in [prefix, *fillers]:
+            llm.generate_ids([prompt], plain, use_tqdm=False)
+        a, b = prefix + [1, 2, 3], prefix + [4, 5, 6]
+        outs = llm.generate_ids([a, b], [plain, with_prompt_logprobs], use_tqdm=False)
+        return [o.token_ids for o in outs], llm
+
+    want, _ = run(kv_cache_tokens=4096)
+    got, llm = run(kv_cache_tokens=POOL_TOKENS, host_kv_cache_gb=0.01)
+    assert llm.scheduler.kv.host_tier.counters.hits > 0
+    assert got == want
