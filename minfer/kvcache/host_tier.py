@@ -34,10 +34,13 @@ current stream: forward passes, and the offload gathers), the load stream, the o
      Passes queued afterwards overlap with it. Its H2D copies and scatters use the one load
      staging buffer in stream order, so a chunk's H2D cannot overwrite the previous chunk
      before its scatter read it.
-  5. The scheduler runs a request only once its load's end event has completed (`done`), or
-     in a pass queued after the compute stream waits for that event (`order_compute_after`:
-     host_loads.py says when), and any eviction of a node whose load is still in flight waits for it first (`wait`), so a
-     device page (or the host page it came from) never changes hands under a copy.
+  5. A pass reads pages a load writes only once the load's end event has completed (`done`),
+     or after the compute stream was made to wait for that event (`order_compute_after`): a
+     request whose load will land soon joins a pass so (host_loads.py), and so does a request
+     repointed to a node still loading when its computed prompt is cached (its own pages
+     duplicated the node's). Any eviction of a node whose load is still in flight waits for it
+     first (`wait`), so a device page (or the host page it came from) never changes hands
+     under a copy.
   6. Host pages are written only by D2H copies on the offload stream, in issue order (two
      copies into one page land in that order), and read only by loads, which rule 4 orders
      after the last copy into every page they read; the CPU never reads them. A host page is
