@@ -2,9 +2,37 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from minfer.kvcache.host_tier import HostTier
+
+_TIERS: weakref.WeakSet = weakref.WeakSet()  # every stand-in alive, for the forward-pass hook
+
+
+def use_deferred_loads(monkeypatch, mode: str = "wait", polls_in_flight: int | None = None) -> None:
+    """Engines built from now on get a DeferredLoadTier. "wait": a request whose load is in
+    flight sits out passes until it lands; "join": it joins the next pass, whose loads land
+    when the pass starts, as a CUDA pass queued after them runs after them."""
+    import minfer.scheduler.scheduler as scheduler_module
+    from minfer.engine.engine import Engine
+
+    monkeypatch.setattr(scheduler_module, "HostTier", DeferredLoadTier)
+    monkeypatch.setattr(DeferredLoadTier, "EXPECTED_WAIT", 0.0 if mode == "join" else float("inf"))
+    if polls_in_flight is not None:
+        monkeypatch.setattr(DeferredLoadTier, "POLLS_IN_FLIGHT", polls_in_flight)
+    forward = Engine.forward_batch
+    if getattr(forward, "lands_joined_loads", False):  # hooked already (hypothesis examples)
+        return
+
+    def after_joined_loads(self, batch):
+        for tier in list(_TIERS):
+            tier.land_joined()
+        return forward(self, batch)
+
+    after_joined_loads.lands_joined_loads = True
+    monkeypatch.setattr(Engine, "forward_batch", after_joined_loads)
 
 
 class DeferredLoadTier(HostTier):
@@ -22,6 +50,8 @@ class DeferredLoadTier(HostTier):
         super().__init__(device_pool, host_pool)
         self.in_flight: list[list] = []  # [seq, polls left, copy or None]
         self._seq = 0
+        self.joined: list = []  # loads a pass was ordered after, still in flight until it starts
+        _TIERS.add(self)
 
     def load(self, host_slots, device_slots):
         c = self.counters
@@ -55,13 +85,21 @@ class DeferredLoadTier(HostTier):
             self._land(load.seq)
 
     def expected_wait(self, load) -> float:
-        return 0.0 if load is None or load.state[2] is None else self.EXPECTED_WAIT
+        if load is None or load.state[2] is None or load in self.joined:
+            return 0.0
+        return self.EXPECTED_WAIT
 
     def order_compute_after(self, load) -> None:
-        # On one CPU "stream" the pass runs after the copy: the copy lands now.
-        if load is not None and load.state[2] is not None:
+        # The copy stays in flight (evictions in between still settle it) until the next pass
+        # starts (use_deferred_loads' hook), as a CUDA pass queued after it runs after it.
+        if load is not None and load.state[2] is not None and load not in self.joined:
             self.counters.loads_joined += 1
+            self.joined.append(load)
+
+    def land_joined(self) -> None:
+        for load in self.joined:
             self._land(load.seq)
+        self.joined.clear()
 
     def _land(self, seq: int) -> None:
         for state in [s for s in self.in_flight if s[0] <= seq]:

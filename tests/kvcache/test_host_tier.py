@@ -284,14 +284,10 @@ def test_multiturn_concurrent_outputs_unchanged(model_path, policy):
 @pytest.mark.parametrize("max_running", [1, 3])
 @pytest.mark.parametrize("mode", ["wait", "join"])
 def test_requests_wait_for_loads_in_flight(model_path, monkeypatch, max_running, mode):
-    from deferred_load_tier import DeferredLoadTier
+    from deferred_load_tier import use_deferred_loads
 
-    import minfer.scheduler.scheduler as scheduler_module
-
-    monkeypatch.setattr(scheduler_module, "HostTier", DeferredLoadTier)
-    if mode == "join":  # and loads stay in flight until a pass is ordered after them
-        monkeypatch.setattr(DeferredLoadTier, "EXPECTED_WAIT", 0.0)
-        monkeypatch.setattr(DeferredLoadTier, "POLLS_IN_FLIGHT", 10**6)
+    # join: loads stay in flight until a pass is ordered after them
+    use_deferred_loads(monkeypatch, mode, polls_in_flight=10**6 if mode == "join" else None)
     want, _, _ = converse(model_path, seeded, kv_cache_tokens=4096)
     got, rounds, llm = converse(
         model_path,
@@ -338,12 +334,9 @@ def test_a_prompt_cached_over_pages_still_loading_waits_for_them(model_path, mon
     the same prefix from the host tier is in flight. Caching b's prompt repoints b to the tree's
     pages, which are still loading, so b's later passes must wait for that copy: its output
     equals a run whose pool holds everything."""
-    from deferred_load_tier import DeferredLoadTier
+    from deferred_load_tier import use_deferred_loads
 
-    import minfer.scheduler.scheduler as scheduler_module
-
-    monkeypatch.setattr(scheduler_module, "HostTier", DeferredLoadTier)
-    monkeypatch.setattr(DeferredLoadTier, "POLLS_IN_FLIGHT", 50)  # in flight through b's whole run
+    use_deferred_loads(monkeypatch, "wait", polls_in_flight=50)  # in flight through b's whole run
     prefix = [(5 * j + 1) % 256 for j in range(64)]
     fillers = [[(13 * c + j) % 256 for j in range(200)] for c in range(3)]  # push prefix to the host
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

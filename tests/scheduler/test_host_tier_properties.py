@@ -72,15 +72,17 @@ engine_options = st.fixed_dictionaries(
     ops=st.lists(st.one_of(add, add, add, step, step, abort, evict, evict), min_size=8, max_size=40),
 )
 def test_random_ops_keep_both_tiers_exact(model_path, monkeypatch, policy, options, ops):
-    from deferred_load_tier import DeferredLoadTier
+    from deferred_load_tier import use_deferred_loads
 
     import minfer.scheduler.scheduler as scheduler_module
     from minfer.kvcache.host_tier import HostTier
 
     options = dict(options)
     deferred = options.pop("deferred_loads")
-    monkeypatch.setattr(scheduler_module, "HostTier", DeferredLoadTier if deferred else HostTier)
-    monkeypatch.setattr(DeferredLoadTier, "EXPECTED_WAIT", 0.0 if deferred == "join" else float("inf"))
+    if deferred:
+        use_deferred_loads(monkeypatch, deferred)
+    else:
+        monkeypatch.setattr(scheduler_module, "HostTier", HostTier)
     llm = LLM(
         model_path, check_kv_invariants=True, log_level="warning", host_kv_write_policy=policy, **options
     )
