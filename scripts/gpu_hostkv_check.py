@@ -12,8 +12,8 @@ weights of a shipped shape; multi-turn conversations whose working set is 4x the
      after the first hits its whole history, and every output (greedy and seeded) equals the
      run with a device pool big enough for everything;
   2. all conversations at once (loads overlap other requests' passes): the page invariant is
-     checked after every step and the trace check passes; how many polls found a load still in
-     flight is printed (on an H200 a load usually lands within the step that issued it);
+     checked after every step and the trace check passes; how many loads joined a pass queued
+     after them, and how many passes requests sat out for a load still in flight, is printed;
   3. figures, from runs without checks or tracing, with and without the tier, with `--clients`
      conversations in flight at a time (clients that read an answer before they type the next
      turn: the active set fits the device pool, the whole working set does not): per round the
