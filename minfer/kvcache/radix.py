@@ -169,12 +169,16 @@ class RadixCache:
         return pages
 
     def handle_slots(self, handle: object | None) -> list[int]:
+        return [s for node in self._handle_path(handle) for s in node.slots]
+
+    def _handle_path(self, handle: object | None) -> list[_Node]:
+        """The nodes a handle locks, root end first (root excluded)."""
         path = []
         node = handle
         while node is not None and node is not self._root:
             path.append(node)
             node = node.parent
-        return [s for node in reversed(path) for s in node.slots]
+        return path[::-1]
 
     @property
     def evictable_pages(self) -> int:

@@ -88,11 +88,7 @@ class TieredRadixCache(RadixCache):
         """RadixCache's, plus the load still in flight into the locked path: where the caller's
         pages were duplicates the tree keeps its own, and some of those may still be loading."""
         match = super().insert_and_lock(token_ids, slots, handle)
-        path, node = [], match.handle
-        while node is not None and node is not self._root:
-            path.append(node)
-            node = node.parent
-        return PrefixMatch(match.slots, match.handle, self._pending_load(path))
+        return PrefixMatch(match.slots, match.handle, self._pending_load(self._handle_path(match.handle)))
 
     def _pending_load(self, path: list[_Node]) -> object | None:
         """The latest load still in flight into `path`'s nodes (one load stream: its completion
@@ -289,11 +285,7 @@ class TieredRadixCache(RadixCache):
             node.loading = None
 
     def _path_tokens(self, node: _Node) -> list[int]:
-        parts = []
-        while node is not self._root:
-            parts.append(node.token_ids)
-            node = node.parent
-        return [t for part in reversed(parts) for t in part]
+        return [t for n in self._handle_path(node) for t in n.token_ids]
 
     # -- the page invariant, both tiers -----------------------------------------------------------
     def audit(self, handles: list[object]) -> list[int]:
