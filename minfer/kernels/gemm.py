@@ -17,19 +17,6 @@ buffer per device; GEMMs on one stream run one after another, so they never shar
 while it is non-zero.
 
 Rows of x may be strided (views of a larger activation); the last dim must be contiguous.
-
-The launches either side of a decode GEMM can be folded into it (`norm`, `gated`, `residual`),
-which is how a decoder layer of a small batch runs in four GEMM launches and its attention
-instead of seven launches (models/llama.py): a decode step of a small model is bound by the
-number of launches more than by the bytes they read (docs/PERFORMANCE.md).
-  norm      RMSNorm of x's rows before the product (the input RMSNorm of attention or MLP):
-            every program first sums the squares of its rows over all of K, then normalises
-            each K block as it loads it.
-  gated     x holds [gate | up] of twice K features and the product takes silu(gate) * up
-            (the MLP's down projection eats the SiLU-and-multiply).
-  residual  the output is residual + x @ w.T (the residual add after o_proj and down).
-Each rounds where the separate kernel rounds (kernels/norm.py, kernels/activation.py), so the
-fused layer's values are the unfused layer's up to the order of the sum of squares.
 """
 
 from __future__ import annotations
@@ -51,7 +38,6 @@ from minfer.kernels.common import dot, num_sms
 MAX_ROWS = 64
 MAX_WEIGHT_ELEMENTS = 4096 * 2048
 _MAX_TILES = 4096  # arrival counters per device: one per output tile of a split launch
-NONE, NORM, GATED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # PROLOGUE
 
 
 @triton.jit
@@ -62,22 +48,16 @@ def _gemm_kernel(
     out_ptr,
     partial_ptr,
     counter_ptr,
-    norm_weight_ptr,
-    residual_ptr,
-    eps,
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
-    stride_rm,
     k_per_split,
     num_splits,
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    PROLOGUE: tl.constexpr,  # NONE, NORM or GATED
-    HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -94,34 +74,14 @@ def _gemm_kernel(
     k_start = split * k_per_split
     x_tile = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     w_tile = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None]  # [K, N]
-    if PROLOGUE == NORM:  # the rows' sum of squares over all of K, whatever this split's slice
-        rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k in tl.range(0, K, BLOCK_K):
-            xk = tl.load(rows + k, mask=m_mask[:, None] & (k + offs_k < K)[None, :], other=0.0)
-            squares += tl.sum(xk.to(tl.float32) * xk.to(tl.float32), 1)
-        rstd = 1.0 / tl.sqrt(squares / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in tl.range(0, k_per_split, BLOCK_K):
         k_mask = k_start + k + offs_k < K
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        if PROLOGUE == GATED:  # silu(gate) rounded, times up, rounded: kernels/activation.py
-            gate = tl.load(x_tile + k, mask=x_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_tile + K + k, mask=x_mask, other=0.0).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (silu * up).to(x_ptr.dtype.element_ty)
-        else:
-            x = tl.load(x_tile + k, mask=x_mask, other=0.0)
-        if PROLOGUE == NORM:  # normalised value rounded, times the weight, rounded: kernels/norm.py
-            nw = tl.load(norm_weight_ptr + k_start + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            normed = (x.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (normed * nw[None, :]).to(x_ptr.dtype.element_ty)
+        x = tl.load(x_tile + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_tile + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc += dot(x, w)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
-    out_tile = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    residual_tile = residual_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :]
     if SPLIT:
         num_m = tl.num_programs(1)
         tile = pid_n * num_m + pid_m
@@ -136,34 +96,22 @@ def _gemm_kernel(
             for _ in range(num_splits):  # fixed order: the sum is the same whoever arrives last
                 acc += tl.load(part, mask=out_mask, other=0.0, cache_modifier=".cg")
                 part += M * N
-            _store_tile(
-                acc, out_tile, out_mask, bias_ptr + offs_n, n_mask, residual_tile, HAS_BIAS, HAS_RESIDUAL
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(
+                out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=out_mask,
             )
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
-        _store_tile(acc, out_tile, out_mask, bias_ptr + offs_n, n_mask, residual_tile, HAS_BIAS, HAS_RESIDUAL)
-
-
-@triton.jit
-def _store_tile(
-    acc,
-    out_tile,
-    mask,
-    bias_row,
-    bias_mask,
-    residual_tile,
-    HAS_BIAS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-):
-    """acc (+ bias) rounded to the output dtype; with a residual, residual + that, rounded
-    again (the product is rounded before the add, as the separate add in kernels/norm.py)."""
-    if HAS_BIAS:
-        acc += tl.load(bias_row, mask=bias_mask, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(out_tile.dtype.element_ty)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_tile, mask=mask, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_tile.dtype.element_ty)
-    tl.store(out_tile, y, mask=mask)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
 
 
 @functools.cache
@@ -199,44 +147,16 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int, int, int] | None = None,
-    *,
-    norm: tuple[torch.Tensor, float] | None = None,
-    gated: bool = False,
-    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N] in x's dtype, accumulated in fp32.
-
-    norm=(norm_weight [K], eps): RMSNorm(x) @ weight.T. gated: x is [..., 2K] = [gate | up] and
-    the product takes silu(gate) * up. residual [..., N]: returns residual + the product.
-    """
+    """x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N] in x's dtype, accumulated in fp32."""
     n, k = weight.shape
-    if norm is not None and gated:
-        raise ValueError("norm and gated are two prologues; a GEMM takes one")
-    features = 2 * k if gated else k
-    if x.shape[-1] != features:
-        raise ValueError(f"x has {x.shape[-1]} features, weight expects {features}")
-    x2 = x.reshape(-1, features)
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     assert weight.stride(-1) == 1
     m = x2.shape[0]
-    prologue, norm_weight, eps = NONE, weight, 0.0
-    if norm is not None:
-        norm_weight, eps = norm
-        if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
-            raise ValueError(
-                f"norm weight must be [{k}] in {x.dtype}, the rounding of the RMSNorm it replaces"
-            )
-        prologue = NORM
-    elif gated:
-        prologue = GATED
-    res2 = None
-    if residual is not None:
-        if residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype:
-            raise ValueError("residual must have the output's shape and x's dtype")
-        res2 = residual.reshape(m, n)
-        if res2.stride(-1) != 1:
-            res2 = res2.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
@@ -252,22 +172,16 @@ def linear(
         out,
         partials,
         _counters(x.device),
-        norm_weight,
-        res2 if res2 is not None else out,
-        eps,
         m,
         n,
         k,
         x2.stride(0),
         weight.stride(0),
         out.stride(0),
-        res2.stride(0) if res2 is not None else 0,
         k_per_split,
         split_k,
         SPLIT=split_k > 1,
         HAS_BIAS=bias is not None,
-        PROLOGUE=prologue,
-        HAS_RESIDUAL=res2 is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

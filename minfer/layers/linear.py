@@ -24,12 +24,8 @@ _SMALL_GEMM = os.environ.get("MINFER_SMALL_GEMM", "triton")
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def small_gemm_enabled() -> bool:
-    return _SMALL_GEMM == "triton"
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if x.is_cuda and x.dtype in _HALF and small_gemm_enabled():
+    if x.is_cuda and x.dtype in _HALF and _SMALL_GEMM == "triton":
         from minfer.kernels import gemm
 
         if gemm.suits(x.numel() // x.shape[-1], weight):

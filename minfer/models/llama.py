@@ -9,7 +9,6 @@ Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
@@ -21,18 +20,9 @@ from minfer.kernels.new_kv import NewKV
 from minfer.layers.activation import silu_and_mul
 from minfer.layers.attention import PagedAttention
 from minfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minfer.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    small_gemm_enabled,
-)
+from minfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minfer.layers.norm import RMSNorm
 from minfer.layers.rotary import RotaryEmbedding, rope_parameters
-
-# Small batches on CUDA run each decoder layer as four fused GEMMs (LlamaDecoderLayer); 0 keeps
-# the separate norm, activation and add launches, for A/B measurements.
-DECODE_FUSION = os.environ.get("MINFER_DECODE_FUSION", "1") != "0"
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 STACKED = {
@@ -70,12 +60,8 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(layer_id, self.num_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.o_proj(self.attend(positions, self.qkv_proj(x), ctx))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The attention output, before o_proj, of the projected [q | k | v] rows."""
-        q, k, v = self.qkv_proj.split(qkv)
-        t = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        t = x.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -90,7 +76,7 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
             ctx.kv_pool.store(self.layer_id, k, v, ctx.out_loc)  # the write step of the KV life cycle
-        return self.attn(q, ctx, new_kv)
+        return self.o_proj(self.attn(q, ctx, new_kv))
 
 
 class LlamaMLP(nn.Module):
@@ -123,11 +109,6 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, ctx):
-        """(x, residual) -> (the MLP's output, the residual stream before it is added). A layer
-        that ran fused returns (the residual stream with its MLP's output added, None), which
-        the next layer and the final norm read as they read the embeddings."""
-        if self._fusion_suits(x):
-            return self._forward_fused(positions, x, residual, ctx), None
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -136,54 +117,6 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(positions, x, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
-
-    def _fusion_suits(self, x: torch.Tensor) -> bool:
-        """Whether this pass runs the layer as four GEMMs with the norms, the SiLU-and-multiply
-        and the residual adds folded in (kernels/gemm.py): CUDA, a batch of at most
-        gemm.MAX_ROWS rows, and weights that allow it (`fusable`)."""
-        if not x.is_cuda or not DECODE_FUSION:
-            return False
-        from minfer.kernels import gemm
-
-        return x.shape[0] <= gemm.MAX_ROWS and self.fusable()
-
-    _fusable: bool | None = None  # found at the first forward that asks, after loading
-
-    def fusable(self) -> bool:
-        """One rank (with TP, o_proj's and down's outputs are all-reduced before the add), a
-        dense MLP, plain weights (no --quantization) of the sizes the small GEMM was measured
-        on, no bias after o_proj or down, and norm weights in the weights' dtype."""
-        if self._fusable is None:
-            from minfer.kernels import gemm
-
-            attn, mlp = self.self_attn, self.mlp
-            self._fusable = (
-                isinstance(mlp, LlamaMLP)
-                and small_gemm_enabled()
-                and attn.qkv_proj.tp.size == 1
-                and attn.o_proj.bias is None
-                and mlp.down_proj.bias is None
-                and all(
-                    lin.low_bit is None and gemm.suits(1, lin.weight)
-                    for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                )
-                and all(
-                    n.weight.dtype == attn.qkv_proj.weight.dtype
-                    for n in (self.input_layernorm, self.post_attention_layernorm)
-                )
-            )
-        return self._fusable
-
-    def _forward_fused(self, positions, x, residual, ctx):
-        from minfer.kernels import gemm
-
-        attn, mlp, pre, post = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        # After an unfused layer (a mixture-of-experts one) the stream is x + residual: add it.
-        h = x if residual is None else pre(x, residual)[1]
-        qkv = gemm.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm=(pre.weight, pre.eps))
-        h = gemm.linear(attn.attend(positions, qkv, ctx), attn.o_proj.weight, residual=h)
-        gate_up = gemm.linear(h, mlp.gate_up_proj.weight, norm=(post.weight, post.eps))
-        return gemm.linear(gate_up, mlp.down_proj.weight, gated=True, residual=h)
 
 
 class LlamaModel(nn.Module):
@@ -206,7 +139,8 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx)
-        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+        x, _ = self.norm(x, residual)
+        return x
 
 
 class LlamaForCausalLM(nn.Module):
