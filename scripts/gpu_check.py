@@ -698,7 +698,7 @@ def gemm_sweep(full: bool) -> None:
                     f"  {model:10s} {name:7s} M={m:3d} N={n:5d} K={k:5d} floor {floor:6.1f}  cublas {cublas:6.1f}  "
                     f"triton {ours:6.1f} {default}"
                 )
-                if full and model == "qwen3-0.6b" and m in (16, 64, 256):
+                if full and (model == "qwen3-0.6b" and m in (16, 64, 256) or model == "llama-8b" and m == 1):
                     results = sorted(gemm_configs_us(x, weights))
                     line += "  best " + "  ".join(f"{us:5.1f} {cfg}" for us, cfg in results[:3])
                 print(line, flush=True)
