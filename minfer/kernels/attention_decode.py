@@ -110,6 +110,11 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_h
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
+    if not DIRECT_OUT:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if start >= end:  # a slice past the end of a short sequence: the merge weighs it zero
+            lse_idx = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split
+            tl.store(part_lse_ptr + lse_idx, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_mask)
+            return
 
     page_row = page_table_ptr + row * stride_page_row
     k_head = k_ptr + kv_head * stride_kh
