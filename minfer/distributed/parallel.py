@@ -9,6 +9,7 @@ A TP job of N ranks has two process groups:
              timeout is effectively infinite because followers legitimately wait there for as
              long as the server is idle; a dead peer still fails it at once (gloo sees the
              closed socket).
+Decode-sized all-reduces can go over peer memory instead of NCCL (peer_all_reduce.py, opt-in).
 Ranks meet through a TCPStore at `--dist-init-addr` (rank 0 listens). Rank 0 waits for the
 others in Python, so it can give up with a clear error when a rank it started has died.
 """
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from minfer.device import set_cpu_threads
+from minfer.distributed import peer_all_reduce
+from minfer.distributed.peer_all_reduce import PeerAllReduce
 
 # How long ranks wait for each other to show up (loading is not included: ranks meet first).
 RENDEZVOUS_TIMEOUT_S = 600
@@ -48,9 +51,13 @@ class TPGroup:
     group: object | None = None  # the device ProcessGroup when size > 1
     cpu_group: object | None = None  # the gloo ProcessGroup for Python objects when size > 1
     local_rank: int = 0  # index among this node's ranks: the CUDA device this rank uses
+    peer: PeerAllReduce | None = None  # decode-sized all-reduces over peer memory (opt-in)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of x: in place (NCCL, gloo) or a new tensor (peer memory)."""
         if self.size > 1:
+            if self.peer is not None and self.peer.suits(x):
+                return self.peer(x)
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -143,6 +150,8 @@ def join_tp_group(
     create the device group and the control group. On rank 0, `check_peers` raises when a
     rank it started has died, instead of waiting for the rendezvous timeout."""
     layout = RankLayout.of(config)
+    all_reduce_kind = peer_all_reduce.requested()
+    peer_all_reduce.disable_nvlink_multicast()  # before any communicator exists
     store.add("minfer/joined", 1)
     if rank == 0:
         deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
@@ -169,7 +178,10 @@ def join_tp_group(
         # after N TP jobs in one process every line carried the prefix N times. Keep one.
         sys.excepthook = previous_hook
     cpu_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return TPGroup(rank, config.tp, dist.group.WORLD, cpu_group, local_rank)
+    peer = None
+    if all_reduce_kind == "peer" and device_type == "cuda":  # on a CPU gloo stays
+        peer = peer_all_reduce.PeerAllReduce(dist.group.WORLD, torch.device("cuda", local_rank))
+    return TPGroup(rank, config.tp, dist.group.WORLD, cpu_group, local_rank, peer)
 
 
 def leave_tp_group(tp: TPGroup) -> None:

@@ -1,17 +1,22 @@
 """Tensor parallelism on a two-GPU host, in one call (not collected by pytest):
 
     PYTHONPATH=$PWD:$PWD/tests python3 tests/distributed/gpu_tp_check.py allreduce
+    PYTHONPATH=$PWD:$PWD/tests python3 tests/distributed/gpu_tp_check.py peer-one-gpu
     PYTHONPATH=$PWD:$PWD/tests python3 tests/distributed/gpu_tp_check.py parity
     PYTHONPATH=$PWD:$PWD/tests python3 tests/distributed/gpu_tp_check.py bench-profile llama-3.1-8b
 
 allreduce      NCCL all-reduce of one decode step's activations ([B, hidden] bf16, 2 per layer
-               + 1 for the embedding), eager and inside a CUDA graph; bus bandwidth of large
-               all-reduces; all-gather of the logits vs of sampled tokens.
+               + 1 for the embedding), eager and inside a CUDA graph, and the same over peer
+               memory (distributed/peer_all_reduce.py: its result against NCCL's, and its time
+               against the NVLink floor); bus bandwidth of large all-reduces; all-gather of the
+               logits vs of sampled tokens.
+peer-one-gpu   the peer path's torch ops on a group of one GPU (needs one GPU only).
 parity         tiny models of every architecture: tp=2 (NCCL, Triton, CUDA graphs) generates the
                tokens of tp=1 on the same GPU; every step's tokens are also checked across ranks
                (the CRC check of runner/step_sync.py).
 bench-profile  `minfer bench offline MODEL --tp 2` in this process, then torch.profiler over
                steady decode steps: time in NCCL kernels per step on rank 0.
+Run parity and bench-profile with MINFER_TP_ALL_REDUCE=peer for the engine on the peer path.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 
 HIDDEN, VOCAB, LAYERS = 4096, 128256, 32  # Llama-3.1-8B
 ALLREDUCES_PER_STEP = 2 * LAYERS + 1  # o_proj and down_proj per layer, and the vocab-parallel embedding
+NVLINK_BYTES_PER_S = 478e9  # 18 links x 26.56 GB/s per direction (nvidia-smi nvlink -s)
 
 
 def _timed(fn, iters: int) -> float:
@@ -48,6 +54,10 @@ def _allreduce_worker(rank: int, port: int, out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from minfer.distributed.peer_all_reduce import PeerAllReduce, disable_nvlink_multicast
+
+    disable_nvlink_multicast()
+    torch.manual_seed(rank)  # each rank its own partials
     torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl",
@@ -58,40 +68,50 @@ def _allreduce_worker(rank: int, port: int, out_path: str) -> None:
     )
     results = {"decode_step": [], "bus_bandwidth": [], "gather": []}
     bf16 = torch.bfloat16
+    peer = None
+    try:
+        peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank))
+    except Exception as e:  # noqa: BLE001 - report, keep measuring NCCL
+        results["errors"] = [f"peer all-reduce unavailable: {type(e).__name__}: {e}"]
+
+    def nccl(x):
+        dist.all_reduce(x)
+        return x
+
     for batch in (1, 8, 64, 256):
         x = torch.randn(batch, HIDDEN, dtype=bf16, device="cuda")
-        for _ in range(5):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
+        row = {"batch": batch, "bytes_per_allreduce": x.numel() * x.element_size()}
+        # the NVLink floor of one all-reduce: each GPU receives the other's bytes (docs/TP.md)
+        row["nvlink_floor_us"] = row["bytes_per_allreduce"] / NVLINK_BYTES_PER_S * 1e6
+        if peer is not None:
+            row["peer_equals_nccl"] = bool(torch.equal(peer(x.clone()), nccl(x.clone())))
+        for name, reduce in (("nccl", nccl), ("peer", peer)):
+            if reduce is None:
+                continue
+            for _ in range(5):
+                reduce(x)
+            torch.cuda.synchronize()
 
-        def step(x=x):
-            for _ in range(ALLREDUCES_PER_STEP):
-                dist.all_reduce(x)
+            def step(x=x, reduce=reduce):
+                for _ in range(ALLREDUCES_PER_STEP):
+                    reduce(x)
 
-        eager = _timed(step, 20)
-        graph_s = None
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            graph_s = _timed(graph.replay, 20)
-        except Exception as e:  # noqa: BLE001 - report, keep measuring
-            results.setdefault("errors", []).append(f"graph capture B={batch}: {e}")
-        nbytes = x.numel() * x.element_size()
-        results["decode_step"].append(
-            {
-                "batch": batch,
-                "bytes_per_allreduce": nbytes,
-                "eager_ms_per_step": eager * 1e3,
-                "graph_ms_per_step": graph_s * 1e3 if graph_s else None,
-                "us_per_allreduce_graph": graph_s / ALLREDUCES_PER_STEP * 1e6 if graph_s else None,
-            }
-        )
+            row[f"{name}_eager_ms_per_step"] = _timed(step, 20) * 1e3
+            try:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    step()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                graph_s = _timed(graph.replay, 20)
+                row[f"{name}_graph_ms_per_step"] = graph_s * 1e3
+                row[f"{name}_us_per_allreduce_graph"] = graph_s / ALLREDUCES_PER_STEP * 1e6
+            except Exception as e:  # noqa: BLE001 - report, keep measuring
+                results.setdefault("errors", []).append(f"{name} graph capture B={batch}: {e}")
+        results["decode_step"].append(row)
     for mib in (1, 16, 256, 1024):
         x = torch.empty(mib << 19, dtype=bf16, device="cuda").normal_()
         dist.all_reduce(x)
@@ -119,6 +139,35 @@ def _allreduce_worker(rank: int, port: int, out_path: str) -> None:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
     # Not destroy_process_group: this run did not finish on the H200 host when it did (see leave_tp_group).
+    dist.distributed_c10d._abort_process_group()
+
+
+def peer_one_gpu() -> None:
+    """The peer path's torch ops on a group of one GPU (the sum is the input itself), eagerly
+    and replayed from a CUDA graph: what one GPU can check before two are lent."""
+    import torch
+    import torch.distributed as dist
+
+    from minfer.distributed.peer_all_reduce import PeerAllReduce, disable_nvlink_multicast
+    from minfer.runner.ranks import free_local_addr
+
+    disable_nvlink_multicast()
+    dist.init_process_group("nccl", init_method=f"tcp://{free_local_addr()}", rank=0, world_size=1)
+    peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", 0))
+    print("copy-in op:", peer._copy_in is not None)
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in (1, 64, 256):
+            x = torch.randn(rows, HIDDEN, dtype=dtype, device="cuda")
+            assert peer.suits(x)
+            eager = peer(x)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = peer(x)
+            x.mul_(2)
+            graph.replay()
+            torch.cuda.synchronize()
+            ok = torch.equal(eager, x / 2) and torch.equal(captured, x)
+            print(f"{dtype} rows={rows}: {'PASS' if ok else 'FAIL'}", flush=True)
     dist.distributed_c10d._abort_process_group()
 
 
@@ -308,7 +357,7 @@ def profile_decode(llm, make_workload, out_dir: str, running: int, steps: int = 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=("allreduce", "parity", "bench-profile"))
+    parser.add_argument("what", choices=("allreduce", "peer-one-gpu", "parity", "bench-profile"))
     parser.add_argument("model", nargs="?", default="llama-3.1-8b")
     parser.add_argument("--out", default=os.environ.get("OUT", tempfile.mkdtemp()))
     parser.add_argument("--device", default="cuda")
@@ -316,6 +365,8 @@ def main() -> None:
     args, extra = parser.parse_known_args()
     if args.what == "allreduce":
         allreduce(args.out)
+    elif args.what == "peer-one-gpu":
+        peer_one_gpu()
     elif args.what == "parity":
         parity(args.out, args.device)
     else:

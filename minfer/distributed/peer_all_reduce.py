@@ -1,0 +1,86 @@
+"""All-reduce of decode-sized activations over peer memory (torch symmetric memory), for TP
+ranks on one host. Opt-in while it is unmeasured: MINFER_TP_ALL_REDUCE=peer.
+
+Why: a decode step of Llama-3.1-8B at tp=2 does 65 all-reduces of [batch, 4096] bf16, and
+NCCL's take 31 us each for 2 MiB against 4.4 us of NVLink bytes (docs/TP.md): they are bound
+by latency, not by the links. Over peer memory a rank copies its partial into a buffer every
+rank of the group can address, and one kernel reads every rank's buffer and sums them
+(torch's one-shot all-reduce: a barrier over per-rank signal pads before the reads and
+another after, so the buffer can be refilled by the next call). No host work, so it can sit
+in a decode CUDA graph like NCCL's.
+
+What stays on NCCL: tensors larger than the buffer (prefill chunks), tensors whose byte size
+is not a multiple of 16 (the kernel's vector width), and everything off CUDA.
+
+NVLink multicast (NVLS) is never used: the GPU host forbids it, so every rank process runs
+with NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (set by
+`disable_nvlink_multicast`, which join_tp_group calls before any communicator exists), and
+the one-shot kernel reads peers with plain loads, not multimem instructions.
+
+Every rank sums the ranks' partials in the same order, so every rank gets the same bits: the
+ranks then sample the same tokens (docs/TP.md, "Token agreement").
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from minfer.config import ConfigError
+
+ENV = "MINFER_TP_ALL_REDUCE"  # "nccl" (default) or "peer"
+# One decode step's activations at most: [512 rows, 8192 hidden] bf16. Prefill chunks are
+# larger and go to NCCL, whose ring reaches 67% of the links on large tensors.
+DEFAULT_MAX_BYTES = 8 << 20
+_VECTOR_BYTES = 16
+
+
+def disable_nvlink_multicast() -> None:
+    """NCCL and torch's symmetric memory leave NVLink multicast alone in this process and in the
+    rank processes it starts (inherited environment). A user's explicit setting wins."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+
+def requested() -> str:
+    """Which all-reduce the environment asks for; a clear error (one line from the CLI) for
+    anything else."""
+    choice = os.environ.get(ENV, "nccl")
+    if choice not in ("nccl", "peer"):
+        raise ConfigError(f"{ENV}={choice!r}: expected 'nccl' or 'peer'")
+    return choice
+
+
+class PeerAllReduce:
+    """One symmetric byte buffer per rank, viewed as whatever dtype a call brings."""
+
+    def __init__(self, group, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = group.group_name
+        self.max_bytes = max_bytes
+        # Collective: every rank of the group allocates and exchanges handles at this point.
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+        ops = torch.ops.symm_mem
+        # The copy-in variant saves a launch per call; older torch builds have only the plain op.
+        self._copy_in = getattr(ops, "one_shot_all_reduce_copy", None)
+        self._reduce = ops.one_shot_all_reduce
+        self.calls = 0  # all-reduces taken by this path (the rest went to NCCL)
+
+    def suits(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
+        return x.is_cuda and 0 < nbytes <= self.max_bytes and nbytes % _VECTOR_BYTES == 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of x (a new tensor of x's shape and dtype)."""
+        flat = x.reshape(-1)
+        staged = self.buffer[: flat.numel() * flat.element_size()].view(flat.dtype)
+        if self._copy_in is not None:
+            out = self._copy_in(staged, flat, "sum", self.group_name)
+        else:
+            staged.copy_(flat)
+            out = self._reduce(staged, "sum", self.group_name)
+        self.calls += 1
+        return out.view(x.shape)
