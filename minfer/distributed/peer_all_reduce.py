@@ -67,7 +67,7 @@ class PeerAllReduce:
         # The copy-in variant saves a launch per call; older torch builds have only the plain op.
         self._copy_in = getattr(ops, "one_shot_all_reduce_copy", None)
         self._reduce = ops.one_shot_all_reduce
-        self.calls = 0  # all-reduces taken by this path (the rest went to NCCL)
+        self.calls = 0  # all-reduces issued on this path from Python (graph replays not counted)
 
     def suits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
