@@ -10,15 +10,17 @@ another after, so the buffer can be refilled by the next call). No host work, so
 in a decode CUDA graph like NCCL's.
 
 What stays on NCCL: tensors larger than the buffer (prefill chunks), tensors whose byte size
-is not a multiple of 16 (the kernel's vector width), and everything off CUDA.
+is not a multiple of 16 (the kernel's vector width), dtypes other than bf16 and float32 (the
+only two torch's kernel is built for), and everything off CUDA.
 
 NVLink multicast (NVLS) is never used: the GPU host forbids it, so every rank process runs
 with NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (set by
 `disable_nvlink_multicast`, which join_tp_group calls before any communicator exists), and
 the one-shot kernel reads peers with plain loads, not multimem instructions.
 
-Every rank sums the ranks' partials in the same order, so every rank gets the same bits: the
-ranks then sample the same tokens (docs/TP.md, "Token agreement").
+Every rank sums the ranks' partials in the same order (rank 0's first: torch's kernel loads
+them by rank), so every rank gets the same bits and the ranks sample the same tokens
+(docs/TP.md, "Token agreement").
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ ENV = "MINFER_TP_ALL_REDUCE"  # "nccl" (default) or "peer"
 # larger and go to NCCL, whose ring reaches 67% of the links on large tensors.
 DEFAULT_MAX_BYTES = 8 << 20
 _VECTOR_BYTES = 16
+_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def disable_nvlink_multicast() -> None:
@@ -71,7 +74,9 @@ class PeerAllReduce:
 
     def suits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
-        return x.is_cuda and 0 < nbytes <= self.max_bytes and nbytes % _VECTOR_BYTES == 0
+        return (
+            x.is_cuda and x.dtype in _DTYPES and 0 < nbytes <= self.max_bytes and nbytes % _VECTOR_BYTES == 0
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of x (a new tensor of x's shape and dtype)."""
