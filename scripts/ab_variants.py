@@ -11,7 +11,8 @@ carried to the device):
 
     python3 scripts/ab_variants.py prepare main=HEAD early=HEAD:early.patch
 
-On the device (rounds interleave the variants, so a drift of the machine hits all alike):
+On the device (rounds interleave the variants, in reversed order every other round, so a
+drift of the machine hits all alike; relative paths in the command resolve inside a variant):
 
     python3 scripts/ab_variants.py run --rounds 2 -- bench offline qwen3-0.6b --num-requests 1
 """
@@ -48,13 +49,14 @@ def prepare(specs: list[str]) -> None:
 
 
 def run(rounds: int, command: list[str]) -> int:
-    names = sorted(os.listdir(VARIANTS))
+    names = sorted(os.listdir(VARIANTS)) if os.path.isdir(VARIANTS) else []
     if not names:
-        raise SystemExit("ab_variants: nothing prepared under .ab/")
+        raise SystemExit("ab_variants: nothing prepared under .ab/ (run `prepare` first)")
     failed = 0
     for round_ in range(rounds):
-        for name in names:
-            where = os.path.join(VARIANTS, name)
+        # A B, then B A: whatever favours a round's first run (a cold machine) favours each alike
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            where = os.path.realpath(os.path.join(VARIANTS, name))
             print(f"== round {round_ + 1}, {name}: minfer {' '.join(command)}", flush=True)
             origin = subprocess.run(
                 [sys.executable, "-c", "import minfer; print(minfer.__file__)"],
@@ -62,9 +64,10 @@ def run(rounds: int, command: list[str]) -> int:
                 capture_output=True,
                 text=True,
             )
-            print(f"   imports {origin.stdout.strip()}", flush=True)
-            if not origin.stdout.startswith(where):
-                raise SystemExit(f"ab_variants: {name} imported minfer from elsewhere; check PYTHONPATH")
+            imported = os.path.realpath(origin.stdout.strip()) if origin.returncode == 0 else ""
+            print(f"   imports {imported or origin.stderr.strip()}", flush=True)
+            if not imported.startswith(where + os.sep):
+                raise SystemExit(f"ab_variants: {name} did not import its own minfer; check PYTHONPATH")
             failed |= subprocess.run([sys.executable, "-m", "minfer", *command], cwd=where).returncode
     return failed
 

@@ -150,8 +150,8 @@ def join_tp_group(
     create the device group and the control group. On rank 0, `check_peers` raises when a
     rank it started has died, instead of waiting for the rendezvous timeout."""
     layout = RankLayout.of(config)
-    all_reduce_kind = peer_all_reduce.requested()
     peer_all_reduce.disable_nvlink_multicast()  # before any communicator exists
+    all_reduce_kind = peer_all_reduce.agreed_kind(store, rank, layout.nnodes)
     store.add("minfer/joined", 1)
     if rank == 0:
         deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S

@@ -9,7 +9,8 @@ rank of the group can address, and one kernel reads every rank's buffer and sums
 another after, so the buffer can be refilled by the next call). No host work, so it can sit
 in a decode CUDA graph like NCCL's.
 
-What stays on NCCL: tensors larger than the buffer (prefill chunks), tensors whose byte size
+What stays on NCCL: tensors larger than the buffer (prefill chunks of more than 1,024 tokens
+at hidden size 4096; shorter prefill steps take the peer path too), tensors whose byte size
 is not a multiple of 16 (the kernel's vector width), dtypes other than bf16 and float32 (the
 only two torch's kernel is built for), and everything off CUDA.
 
@@ -25,11 +26,14 @@ them by rank), so every rank gets the same bits and the ranks sample the same to
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from minfer.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 ENV = "MINFER_TP_ALL_REDUCE"  # "nccl" (default) or "peer"
 # One decode step's activations at most: [512 rows, 8192 hidden] bf16. Prefill chunks are
@@ -37,6 +41,10 @@ ENV = "MINFER_TP_ALL_REDUCE"  # "nccl" (default) or "peer"
 DEFAULT_MAX_BYTES = 8 << 20
 _VECTOR_BYTES = 16
 _DTYPES = (torch.bfloat16, torch.float32)
+_STORE_KEY = "minfer/all_reduce"
+# torch keeps symmetric-memory state per process (group names, rendezvous caches); a second TP
+# job in one process (the offline API allows it) would meet fresh followers with stale state.
+_used_in_process = False
 
 
 def disable_nvlink_multicast() -> None:
@@ -55,12 +63,30 @@ def requested() -> str:
     return choice
 
 
+def agreed_kind(store, rank: int, nnodes: int) -> str:
+    """The all-reduce of this TP job, the same on every rank: rank 0 reads the environment and
+    publishes its choice in the job's store, the other ranks take it from there (a group split
+    between the two would wait forever in the peer buffer's rendezvous)."""
+    if rank != 0:
+        return store.get(_STORE_KEY).decode()
+    kind = requested()
+    if kind == "peer" and nnodes > 1:
+        raise ConfigError(f"{ENV}=peer needs every rank on one host; this job spans {nnodes} nodes")
+    if kind == "peer" and _used_in_process:
+        log.warning("%s=peer: only the first TP job of a process uses peer memory; this one uses NCCL", ENV)
+        kind = "nccl"
+    store.set(_STORE_KEY, kind)
+    return kind
+
+
 class PeerAllReduce:
     """One symmetric byte buffer per rank, viewed as whatever dtype a call brings."""
 
     def __init__(self, group, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES):
         import torch.distributed._symmetric_memory as symm_mem
 
+        global _used_in_process
+        _used_in_process = True
         self.group_name = group.group_name
         self.max_bytes = max_bytes
         # Collective: every rank of the group allocates and exchanges handles at this point.
@@ -74,9 +100,9 @@ class PeerAllReduce:
 
     def suits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
-        return (
-            x.is_cuda and x.dtype in _DTYPES and 0 < nbytes <= self.max_bytes and nbytes % _VECTOR_BYTES == 0
-        )
+        # the kernel needs x's start aligned as the buffer's (offset 0), and whole vectors
+        aligned = (x.storage_offset() * x.element_size()) % _VECTOR_BYTES == 0 and nbytes % _VECTOR_BYTES == 0
+        return x.is_cuda and x.dtype in _DTYPES and 0 < nbytes <= self.max_bytes and aligned
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of x (a new tensor of x's shape and dtype)."""
