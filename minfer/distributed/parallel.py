@@ -9,7 +9,7 @@ A TP job of N ranks has two process groups:
              timeout is effectively infinite because followers legitimately wait there for as
              long as the server is idle; a dead peer still fails it at once (gloo sees the
              closed socket).
-Decode-sized all-reduces can go over peer memory instead of NCCL (peer_all_reduce.py, opt-in).
+All-reduces of up to 8 MiB (decode steps) can go over peer memory instead of NCCL (peer_all_reduce.py, opt-in).
 Ranks meet through a TCPStore at `--dist-init-addr` (rank 0 listens). Rank 0 waits for the
 others in Python, so it can give up with a clear error when a rank it started has died.
 """
@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from minfer.device import set_cpu_threads
 from minfer.distributed import peer_all_reduce
-from minfer.distributed.peer_all_reduce import PeerAllReduce
 
 # How long ranks wait for each other to show up (loading is not included: ranks meet first).
 RENDEZVOUS_TIMEOUT_S = 600
@@ -51,7 +50,7 @@ class TPGroup:
     group: object | None = None  # the device ProcessGroup when size > 1
     cpu_group: object | None = None  # the gloo ProcessGroup for Python objects when size > 1
     local_rank: int = 0  # index among this node's ranks: the CUDA device this rank uses
-    peer: PeerAllReduce | None = None  # decode-sized all-reduces over peer memory (opt-in)
+    peer: peer_all_reduce.PeerAllReduce | None = None  # all-reduces up to 8 MiB over peer memory (opt-in)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of x: in place (NCCL, gloo) or a new tensor (peer memory)."""

@@ -96,7 +96,6 @@ class PeerAllReduce:
         # The copy-in variant saves a launch per call; older torch builds have only the plain op.
         self._copy_in = getattr(ops, "one_shot_all_reduce_copy", None)
         self._reduce = ops.one_shot_all_reduce
-        self.calls = 0  # all-reduces issued on this path from Python (graph replays not counted)
 
     def suits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -113,5 +112,4 @@ class PeerAllReduce:
         else:
             staged.copy_(flat)
             out = self._reduce(staged, "sum", self.group_name)
-        self.calls += 1
         return out.view(x.shape)
