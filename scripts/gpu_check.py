@@ -632,16 +632,17 @@ def rotated_graph_us(make_call, weights: list[torch.Tensor], reps: int = 10) -> 
 
 
 def gemm_configs_us(x: torch.Tensor, weights: list[torch.Tensor]) -> list[tuple[float, tuple]]:
-    """(us, config) of the split-K GEMM for tiles 16-64 x 32-128, BK 64/128, 1-16 K splits
-    and 3-4 stages; tiles taller than the batch and more splits than K blocks are skipped."""
+    """(us, config) of the split-K GEMM for tiles 16-64 x 32-128, BK 64-256, 1-16 K splits,
+    3-4 stages, 4 warps (8 for 128-wide tiles); tiles taller than the batch and more splits
+    than K blocks are skipped."""
     m, k = x.shape
     results = []
-    for bm, bn, bk, split, stages in itertools.product(
-        (16, 32, 64), (32, 64, 128), (64, 128), (1, 2, 4, 8, 16), (3, 4)
+    for bm, bn, bk, split, stages, warps in itertools.product(
+        (16, 32, 64), (32, 64, 128), (64, 128, 256), (1, 2, 3, 4, 6, 8, 16), (3, 4), (4, 8)
     ):
-        if bm > max(16, triton.next_power_of_2(m)) or k // bk < split:
+        if bm > max(16, triton.next_power_of_2(m)) or k // bk < split or (warps == 8 and bn < 128):
             continue
-        cfg = (bm, bn, bk, split, 4, stages)
+        cfg = (bm, bn, bk, split, warps, stages)
         try:
             results.append((rotated_graph_us(lambda w: gemm.linear(x, w, config=cfg), weights, reps=4), cfg))
         except Exception as e:  # e.g. out of shared memory
@@ -649,7 +650,7 @@ def gemm_configs_us(x: torch.Tensor, weights: list[torch.Tensor]) -> list[tuple[
     return results
 
 
-def gemm_sweep(full: bool) -> None:
+def gemm_sweep(full: bool, models: list[str] | None = None, sweep_rows: tuple[int, ...] | None = None) -> None:
     """Decode-shaped GEMMs: cuBLAS (F.linear) against minfer.kernels.gemm with its default
     configuration and, with `full`, a sweep of tile sizes and K splits. Weights from HBM."""
     import torch.nn.functional as F
@@ -660,6 +661,11 @@ def gemm_sweep(full: bool) -> None:
             "o_proj": (1024, 2048),
             "gate_up": (6144, 1024),
             "down": (1024, 3072),
+        },
+        "qwen3-30b-a3b": {
+            "qkv": (5120, 2048),
+            "o_proj": (2048, 4096),
+            "router": (128, 2048),
         },
         "llama-8b": {
             "qkv": (6144, 4096),
@@ -675,6 +681,8 @@ def gemm_sweep(full: bool) -> None:
         flush=True,
     )
     for model, layer in shapes.items():
+        if models and model not in models:
+            continue
         totals = {"cublas": {}, "triton": {}}
         for name, (n, k) in layer.items():
             copies = max(2, triton.cdiv(256 << 20, n * k * 2))
@@ -698,9 +706,14 @@ def gemm_sweep(full: bool) -> None:
                     f"  {model:10s} {name:7s} M={m:3d} N={n:5d} K={k:5d} floor {floor:6.1f}  cublas {cublas:6.1f}  "
                     f"triton {ours:6.1f} {default}"
                 )
-                if full and (model == "qwen3-0.6b" and m in (16, 64, 256) or model == "llama-8b" and m == 1):
+                swept = (
+                    m in sweep_rows
+                    if sweep_rows
+                    else (model == "qwen3-0.6b" and m in (16, 64, 256) or model == "llama-8b" and m == 1)
+                )
+                if full and swept:
                     results = sorted(gemm_configs_us(x, weights))
-                    line += "  best " + "  ".join(f"{us:5.1f} {cfg}" for us, cfg in results[:3])
+                    line += "  best " + "  ".join(f"{us:5.1f} {cfg}" for us, cfg in results[:4])
                 print(line, flush=True)
             del weights
         for m in (1, 16, 64, 128, 256):
@@ -721,13 +734,16 @@ def main() -> None:
         "--gemm", action="store_true", help="only the decode GEMMs: cuBLAS vs the Triton kernel"
     )
     parser.add_argument("--gemm-sweep", action="store_true", help="--gemm plus a sweep of its launch configs")
+    parser.add_argument("--gemm-models", nargs="*", help="only these models' GEMMs (default: all)")
+    parser.add_argument("--gemm-sweep-rows", nargs="*", type=int, help="sweep at these row counts")
     opts = parser.parse_args()
     print(
         f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True
     )
     start = time.time()
     if opts.gemm or opts.gemm_sweep:
-        gemm_sweep(full=opts.gemm_sweep)
+        rows = tuple(opts.gemm_sweep_rows) if opts.gemm_sweep_rows else None
+        gemm_sweep(full=opts.gemm_sweep, models=opts.gemm_models, sweep_rows=rows)
         if failures:
             print("FAILURES:", *failures, sep="\n  ")
             sys.exit(1)

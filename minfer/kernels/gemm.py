@@ -38,6 +38,11 @@ from minfer.kernels.common import dot, num_sms
 MAX_ROWS = 64
 MAX_WEIGHT_ELEMENTS = 4096 * 2048
 _MAX_TILES = 4096  # arrival counters per device: one per output tile of a split launch
+# A program walks its K slice one block after another, with only `num_stages` loads in flight,
+# so a long slice is bound by memory latency, not bandwidth. Measured on an H200 at one row
+# (scripts/gpu_check.py --gemm-sweep): Qwen3-30B-A3B's o_proj (K = 4096) took 9.2 us with 2
+# splits of 2048 and 7.9 us with 4 splits of 1024; slices of 1024 or less were never slower.
+MAX_K_PER_SPLIT = 1024
 
 
 @triton.jit
@@ -122,16 +127,18 @@ def _counters(device: torch.device) -> torch.Tensor:
 def choose_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [k, n] GEMM.
 
-    Tiles as tall as the batch (at least 16, the smallest tensor-core tile) and 64 wide; then
-    enough K splits that the launch has about one program per SM, each still looping over at
-    least two K blocks.
+    Tiles as tall as the batch (at least 16, the smallest tensor-core tile) and 32 wide; then
+    enough K splits that the launch has about one program per SM, and more if a slice would be
+    longer than MAX_K_PER_SPLIT (up to two programs per SM), each still looping over at least
+    two K blocks.
     """
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     block_n = 32
     block_k = 128 if k >= 256 else max(16, triton.next_power_of_2(k))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
-    split_k = max(1, min(num_sms // tiles, k_blocks // 2))
+    short_slices = min(triton.cdiv(k, MAX_K_PER_SPLIT), 2 * num_sms // tiles)  # <= 2 programs per SM
+    split_k = max(1, min(max(num_sms // tiles, short_slices), k_blocks // 2))
     if tiles > _MAX_TILES:
         split_k = 1
     return block_m, block_n, block_k, split_k, 4, 4
