@@ -604,6 +604,73 @@ def qwen3_sweep() -> None:
     ) = defaults
 
 
+def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
+    """Extend attention over one long prompt in prefill chunks (Llama-8B heads, page size 16,
+    pages shuffled), as chunked prefill runs it: the chunk at prefix P computes `chunk` queries
+    over P + its own keys. Launch configurations and the heavy-first block order are timed
+    against the causal FLOPs of all chunks; each is checked against the default's output, and
+    the default against the torch reference on the first chunk."""
+    num_heads, num_kv_heads, head_dim = MODELS["llama-8b"][:3]
+    chunks = []
+    for prefix in range(0, prompt_len, chunk):
+        batch = make_paged_batch(
+            [prefix], [chunk], num_kv_heads, head_dim, PAGE_SIZE, DTYPE, DEVICE, torch.Generator().manual_seed(prefix)
+        )
+        q = torch.randn((chunk, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
+        args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.prefix_lens)
+        args += (batch.seq_lens, batch.cu_extend_lens, chunk, head_dim**-0.5)
+        flop = 4 * head_dim * num_heads * (chunk * prefix + chunk * (chunk + 1) // 2)
+        chunks.append((prefix, args, flop, batch))
+    first = chunks[0]
+    reference = extend_attention_reference(*first[1][:6], first[1][6], first[1][9])
+    check("extend long, first chunk", extend_attention(*first[1]), reference, atol=2e-2, rtol=2e-2)
+    del reference
+    expected = [extend_attention(*args) for _, args, _, _ in chunks]
+    total_flop = sum(f for _, _, f, _ in chunks)
+    print(
+        f"\n== extend attention, one {prompt_len}-token prompt in {chunk}-token chunks (llama-8b heads): "
+        f"us per chunk, TFLOP/s of all chunks (floor 790) ==",
+        flush=True,
+    )
+    names = ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "HEAVY_FIRST")
+    defaults = tuple(getattr(attention_extend, n) for n in names)
+    configs = [defaults[:4] + (heavy,) for heavy in (True, False)] + [
+        (bm, bn, w, st, True)
+        for bm, bn, w, st in [
+            (64, 64, 4, 3),
+            (128, 64, 8, 2),
+            (128, 64, 8, 3),
+            (128, 64, 4, 2),
+            (128, 128, 8, 2),
+            (128, 128, 8, 3),
+            (128, 32, 4, 3),
+            (64, 128, 4, 2),
+            (64, 64, 8, 2),
+            (128, 64, 8, 4),
+        ]
+    ]
+    for config in configs:
+        for n, value in zip(names, config):
+            setattr(attention_extend, n, value)
+        try:
+            times = []
+            for (prefix, args, _, _), want in zip(chunks, expected):
+                out = extend_attention(*args)
+                err = (out.float() - want.float()).abs().max().item()
+                if err > 2e-2:
+                    failures.append(f"extend long {config} prefix {prefix}: max abs err {err:.3g}")
+                times.append(bench_us(lambda: extend_attention(*args)))
+            print(
+                f"  {config}: " + "  ".join(f"{t:8.1f}" for t in times)
+                + f"   {total_flop / sum(times) / 1e6:6.1f} TFLOP/s",
+                flush=True,
+            )
+        except Exception as e:  # e.g. out of shared memory
+            print(f"  {config}: {type(e).__name__}", flush=True)
+    for n, value in zip(names, defaults):
+        setattr(attention_extend, n, value)
+
+
 def rotated_graph_us(make_call, weights: list[torch.Tensor], reps: int = 10) -> float:
     """Median us per call of `make_call(w)`, replayed from one CUDA graph that cycles through
     `weights` (together larger than the 60 MB L2), so each call reads its weights from HBM as
@@ -734,6 +801,7 @@ def main() -> None:
         "--gemm", action="store_true", help="only the decode GEMMs: cuBLAS vs the Triton kernel"
     )
     parser.add_argument("--gemm-sweep", action="store_true", help="--gemm plus a sweep of its launch configs")
+    parser.add_argument("--extend-long", action="store_true", help="only extend attention over one long prompt")
     parser.add_argument("--gemm-models", nargs="*", help="only these models' GEMMs (default: all)")
     parser.add_argument("--gemm-sweep-rows", nargs="*", type=int, help="sweep at these row counts")
     opts = parser.parse_args()
@@ -741,6 +809,12 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True
     )
     start = time.time()
+    if opts.extend_long:
+        extend_long_sweep()
+        if failures:
+            print("FAILURES:", *failures, sep="\n  ")
+            sys.exit(1)
+        return
     if opts.gemm or opts.gemm_sweep:
         rows = tuple(opts.gemm_sweep_rows) if opts.gemm_sweep_rows else None
         gemm_sweep(full=opts.gemm_sweep, models=opts.gemm_models, sweep_rows=rows)

@@ -29,6 +29,9 @@ BLOCK_M = 64
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
+# Query blocks run last-first: under the causal mask a later block sees more keys, so starting
+# with the heaviest leaves the light ones to fill the last wave.
+HEAVY_FIRST = True
 
 
 @triton.jit
@@ -60,8 +63,11 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
 ):
     block_m = tl.program_id(0)
+    if HEAVY_FIRST:
+        block_m = tl.num_programs(0) - 1 - block_m
     b = tl.program_id(1)
     head = tl.program_id(2)
 
@@ -221,6 +227,7 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        HEAVY_FIRST=HEAVY_FIRST,
         num_warps=NUM_WARPS if q.is_cuda else 4,
         num_stages=NUM_STAGES,
     )
