@@ -61,6 +61,19 @@ rows: list[dict] = []
 failures: list[str] = []
 
 
+_EXTEND_DEFAULTS = (attention_extend.SHORT_CONFIG, attention_extend.LONG_CONFIG, attention_extend.HEAVY_FIRST)
+
+
+def force_extend_config(config: tuple | None) -> None:
+    """Make every extend launch take `config` ((BLOCK_M, BLOCK_N, warps, stages[, heavy first]))
+    whatever its length; None restores the module's choice."""
+    short, long, heavy = _EXTEND_DEFAULTS
+    if config is not None:
+        short = long = tuple(config[:4])
+        heavy = config[4] if len(config) > 4 else heavy
+    attention_extend.SHORT_CONFIG, attention_extend.LONG_CONFIG, attention_extend.HEAVY_FIRST = short, long, heavy
+
+
 def bench_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
@@ -393,12 +406,6 @@ def sweep() -> None:
     del cases
 
     print("\n== extend launch sweep (BLOCK_M, BLOCK_N, num_warps, num_stages) ==", flush=True)
-    defaults = (
-        attention_extend.BLOCK_M,
-        attention_extend.BLOCK_N,
-        attention_extend.NUM_WARPS,
-        attention_extend.NUM_STAGES,
-    )
     num_heads, num_kv_heads, head_dim = MODELS["llama-8b"][:3]
     batch = make_paged_batch(
         [0, 1024],
@@ -422,12 +429,7 @@ def sweep() -> None:
         (128, 128, 8, 2),
         (64, 32, 4, 3),
     ]:
-        (
-            attention_extend.BLOCK_M,
-            attention_extend.BLOCK_N,
-            attention_extend.NUM_WARPS,
-            attention_extend.NUM_STAGES,
-        ) = config
+        force_extend_config(config)
         us = bench_us(
             lambda: extend_attention(
                 q,
@@ -447,12 +449,7 @@ def sweep() -> None:
             f"{flop / us / 1e6:6.1f} TFLOP/s",
             flush=True,
         )
-    (
-        attention_extend.BLOCK_M,
-        attention_extend.BLOCK_N,
-        attention_extend.NUM_WARPS,
-        attention_extend.NUM_STAGES,
-    ) = defaults
+    force_extend_config(None)
 
 
 def split_table() -> None:
@@ -559,12 +556,6 @@ def qwen3_sweep() -> None:
         f"\n== qwen3 extend launch sweep (BLOCK_M, BLOCK_N, num_warps, num_stages): 8192 tokens in "
         f"{len(extend)} prompts =="
     )
-    defaults = (
-        attention_extend.BLOCK_M,
-        attention_extend.BLOCK_N,
-        attention_extend.NUM_WARPS,
-        attention_extend.NUM_STAGES,
-    )
     for config in [
         (64, 64, 4, 2),
         (64, 64, 4, 3),
@@ -575,12 +566,7 @@ def qwen3_sweep() -> None:
         (128, 128, 8, 2),
         (64, 128, 4, 2),
     ]:
-        (
-            attention_extend.BLOCK_M,
-            attention_extend.BLOCK_N,
-            attention_extend.NUM_WARPS,
-            attention_extend.NUM_STAGES,
-        ) = config
+        force_extend_config(config)
         us = bench_us(
             lambda: extend_attention(
                 q,
@@ -596,12 +582,7 @@ def qwen3_sweep() -> None:
             )
         )
         print(f"  {config}: {us:8.1f} us {flop / us / 1e6:6.1f} TFLOP/s", flush=True)
-    (
-        attention_extend.BLOCK_M,
-        attention_extend.BLOCK_N,
-        attention_extend.NUM_WARPS,
-        attention_extend.NUM_STAGES,
-    ) = defaults
+    force_extend_config(None)
 
 
 def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
@@ -632,26 +613,24 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
         f"us per chunk, TFLOP/s of all chunks (floor 790) ==",
         flush=True,
     )
-    names = ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "HEAVY_FIRST")
-    defaults = tuple(getattr(attention_extend, n) for n in names)
-    configs = [defaults[:4] + (heavy,) for heavy in (True, False)] + [
+    long = attention_extend.LONG_CONFIG
+    configs = [long + (True,), long + (False,)] + [
         (bm, bn, w, st, True)
         for bm, bn, w, st in [
+            (64, 64, 4, 2),
             (64, 64, 4, 3),
             (128, 64, 8, 2),
             (128, 64, 8, 3),
             (128, 64, 4, 2),
             (128, 128, 8, 2),
-            (128, 128, 8, 3),
-            (128, 32, 4, 3),
-            (64, 128, 4, 2),
-            (64, 64, 8, 2),
-            (128, 64, 8, 4),
+            (128, 128, 4, 3),
+            (64, 128, 4, 3),
+            (128, 64, 4, 3),
+            (128, 32, 8, 3),
         ]
     ]
     for config in configs:
-        for n, value in zip(names, config):
-            setattr(attention_extend, n, value)
+        force_extend_config(config)
         try:
             times = []
             for (prefix, args, _, _), want in zip(chunks, expected):
@@ -667,8 +646,25 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
             )
         except Exception as e:  # e.g. out of shared memory
             print(f"  {config}: {type(e).__name__}", flush=True)
-    for n, value in zip(names, defaults):
-        setattr(attention_extend, n, value)
+    force_extend_config(None)
+
+    print("\n== where the long configuration starts: 8192 tokens of prompts of E tokens each ==", flush=True)
+    for extend in (512, 1024, 1536, 2048, 4096):
+        count = chunk // extend
+        batch = make_paged_batch(
+            [0] * count, [extend] * count, num_kv_heads, head_dim, PAGE_SIZE, DTYPE, DEVICE, torch.Generator().manual_seed(extend)
+        )
+        q = torch.randn((count * extend, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
+        args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.prefix_lens)
+        args += (batch.seq_lens, batch.cu_extend_lens, extend, head_dim**-0.5)
+        flop = 4 * head_dim * num_heads * count * extend * (extend + 1) // 2
+        line = []
+        for name, config in (("short", attention_extend.SHORT_CONFIG), ("long", attention_extend.LONG_CONFIG)):
+            force_extend_config(config)
+            us = bench_us(lambda: extend_attention(*args))
+            line.append(f"{name} {config}: {us:7.1f} us {flop / us / 1e6:6.1f} TFLOP/s")
+        force_extend_config(None)
+        print(f"  E={extend:5d} x {count:2d}: " + "   ".join(line), flush=True)
 
 
 def rotated_graph_us(make_call, weights: list[torch.Tensor], reps: int = 10) -> float:

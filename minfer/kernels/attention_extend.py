@@ -21,17 +21,27 @@ import triton.language as tl
 from minfer.kernels.common import attend_blocks, fp8_pool_operand, gather_rows
 
 LOG2E = 1.4426950408889634
-# GPU launch configuration; scripts/gpu_check.py --sweep times alternatives. On an H200 in bf16
-# (Llama-8B heads; prefill of 2048 plus 1024 new tokens over 1024 cached): 223 us, 270 TFLOP/s;
-# the next best of seven configurations took 249 us. The CPU interpreter uses 16 x 16 blocks:
-# it pays for every padded element.
-BLOCK_M = 64
-BLOCK_N = 64
-NUM_WARPS = 4
-NUM_STAGES = 2
+# GPU launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen per launch by the
+# longest extend. Short extends (prompts of a few hundred tokens packed into one chunk) waste
+# less on padding with 64 x 64 tiles: on an H200 in bf16 (Llama-8B heads; prefill of 2048 plus
+# 1024 new tokens over 1024 cached) 223 us, 270 TFLOP/s, the next best of seven configurations
+# 249 us. A long prompt's chunks are compute-bound, where 128 x 128 tiles with 8 warps and 3
+# stages feed the tensor cores best: one 32k-token prompt in 8k chunks at 426 TFLOP/s against
+# 350 for the short configuration, best of 12 (scripts/gpu_check.py --extend-long).
+# The CPU interpreter uses 16 x 16 blocks: it pays for every padded element.
+SHORT_CONFIG = (64, 64, 4, 2)
+LONG_CONFIG = (128, 128, 8, 3)
+LONG_EXTEND = 2048  # tokens: a launch whose longest extend reaches this takes LONG_CONFIG
 # Query blocks run last-first: under the causal mask a later block sees more keys, so starting
 # with the heaviest leaves the light ones to fill the last wave.
 HEAVY_FIRST = True
+
+
+def launch_config(max_extend_len: int, on_gpu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a launch whose longest extend is given."""
+    if not on_gpu:
+        return 16, 16, 4, SHORT_CONFIG[3]
+    return LONG_CONFIG if max_extend_len >= LONG_EXTEND else SHORT_CONFIG
 
 
 @triton.jit
@@ -197,7 +207,7 @@ def extend_attention(
     if num_tokens == 0 or batch == 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
-    block_m, block_n = (BLOCK_M, BLOCK_N) if q.is_cuda else (16, 16)
+    block_m, block_n, num_warps, num_stages = launch_config(max_extend_len, q.is_cuda)
     grid = (triton.cdiv(max_extend_len, block_m), batch, num_heads)
     _extend_kernel[grid](
         q,
@@ -228,8 +238,8 @@ def extend_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         HEAVY_FIRST=HEAVY_FIRST,
-        num_warps=NUM_WARPS if q.is_cuda else 4,
-        num_stages=NUM_STAGES,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

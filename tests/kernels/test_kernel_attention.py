@@ -11,6 +11,7 @@ from kernel_cases import make_paged_batch, tolerance
 from minfer.attention.base import ForwardContext, build_metadata
 from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.attention.triton_backend import TritonAttentionBackend
+from minfer.kernels import attention_extend
 from minfer.kernels.attention_decode import choose_num_splits, decode_attention, decode_attention_reference
 from minfer.kernels.attention_extend import extend_attention, extend_attention_reference
 from minfer.kvcache.pool import KVPool
@@ -187,6 +188,15 @@ def test_decode_cuda_graph_replay_sees_new_lengths():
     q.copy_(torch.randn(q.shape, generator=gen))
     graph.replay()
     torch.testing.assert_close(out, decode_attention_reference(*args), atol=1e-2, rtol=1e-2)
+
+
+def test_extend_launch_config_follows_the_longest_extend():
+    """Long prompts' chunks get the large tiles, packed short prompts the small ones; the CPU
+    interpreter always runs 16 x 16 blocks."""
+    long_from = attention_extend.LONG_EXTEND
+    assert attention_extend.launch_config(long_from - 1, True) == attention_extend.SHORT_CONFIG
+    assert attention_extend.launch_config(long_from, True) == attention_extend.LONG_CONFIG
+    assert attention_extend.launch_config(long_from, False)[:2] == (16, 16)
 
 
 @pytest.mark.gpu

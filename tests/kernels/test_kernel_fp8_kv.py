@@ -15,6 +15,7 @@ from kernel_cases import make_paged_batch, tolerance
 from minfer.attention.base import ForwardContext, build_metadata
 from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.attention.triton_backend import TritonAttentionBackend
+from minfer.kernels import attention_extend
 from minfer.kernels.attention_decode import decode_attention, decode_attention_reference
 from minfer.kernels.attention_extend import extend_attention, extend_attention_reference
 from minfer.kernels.rope_store import rope_store
@@ -158,6 +159,26 @@ def test_extend_reads_fp8(dtype, device):
     )
     expected = extend_attention_reference(*common, scale, k_scale=k_scale, v_scale=v_scale)
     torch.testing.assert_close(out, expected, **tolerance(dtype))
+
+
+@pytest.mark.gpu
+def test_extend_reads_fp8_in_the_long_prompt_configuration():
+    """Extends of 2048+ tokens take the 128 x 128 launch configuration; on an fp8 pool too."""
+    device = torch.device("cuda")
+    num_kv_heads, group, head_dim = 8, 4, 128
+    prefix_lens, extend_lens = [0, 3000], [2048, 2500]
+    assert max(extend_lens) >= attention_extend.LONG_EXTEND
+    gen = _gen("extend-long")
+    batch = make_paged_batch(prefix_lens, extend_lens, num_kv_heads, head_dim, 16, torch.bfloat16, device, gen)
+    k_scale, v_scale = _scales(num_kv_heads, device), _scales(num_kv_heads, device, 2.0)
+    batch = _fp8_pools(batch, k_scale, v_scale)
+    q = torch.randn((sum(extend_lens), num_kv_heads * group, head_dim), generator=gen).to(torch.bfloat16).to(device)
+    common = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.prefix_lens, batch.seq_lens)
+    out = extend_attention(
+        *common, batch.cu_extend_lens, max(extend_lens), head_dim**-0.5, k_scale=k_scale, v_scale=v_scale
+    )
+    expected = extend_attention_reference(*common, head_dim**-0.5, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("is_decode", [True, False])
