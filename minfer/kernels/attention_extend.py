@@ -27,13 +27,16 @@ LOG2E = 1.4426950408889634
 # 1024 new tokens over 1024 cached) 223 us, 270 TFLOP/s, the next best of seven configurations
 # 249 us. A long prompt's chunks are compute-bound, where 128 x 128 tiles with 8 warps and 3
 # stages feed the tensor cores best: one 32k-token prompt in 8k chunks at 426 TFLOP/s against
-# 350 for the short configuration, best of 12 (scripts/gpu_check.py --extend-long).
+# 350 for the short configuration, best of 12 (scripts/gpu_check.py --extend-long). On 8192
+# tokens of equal prompts the two tie at 1024-token prompts and the long one leads from 1536
+# (283 vs 274 TFLOP/s; 355 vs 318 at 4096); at 512 the short one leads (189 vs 177).
 # The CPU interpreter uses 16 x 16 blocks: it pays for every padded element.
 SHORT_CONFIG = (64, 64, 4, 2)
 LONG_CONFIG = (128, 128, 8, 3)
-LONG_EXTEND = 2048  # tokens: a launch whose longest extend reaches this takes LONG_CONFIG
+LONG_EXTEND = 1536  # tokens: a launch whose longest extend reaches this takes LONG_CONFIG
 # Query blocks run last-first: under the causal mask a later block sees more keys, so starting
-# with the heaviest leaves the light ones to fill the last wave.
+# with the heaviest leaves the light ones to fill the last wave (the 32k prompt above: 426 vs
+# 418 TFLOP/s in the long configuration, 347 vs 350 in the short one: a wash there).
 HEAVY_FIRST = True
 
 

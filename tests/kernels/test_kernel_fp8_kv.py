@@ -163,7 +163,8 @@ def test_extend_reads_fp8(dtype, device):
 
 @pytest.mark.gpu
 def test_extend_reads_fp8_in_the_long_prompt_configuration():
-    """Extends of 2048+ tokens take the 128 x 128 launch configuration; on an fp8 pool too."""
+    """Extends of LONG_EXTEND tokens or more take the 128 x 128 launch configuration; on an fp8
+    pool too."""
     device = torch.device("cuda")
     num_kv_heads, group, head_dim = 8, 4, 128
     prefix_lens, extend_lens = [0, 3000], [2048, 2500]
