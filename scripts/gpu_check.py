@@ -71,7 +71,11 @@ def force_extend_config(config: tuple | None) -> None:
     if config is not None:
         short = long = tuple(config[:4])
         heavy = config[4] if len(config) > 4 else heavy
-    attention_extend.SHORT_CONFIG, attention_extend.LONG_CONFIG, attention_extend.HEAVY_FIRST = short, long, heavy
+    attention_extend.SHORT_CONFIG, attention_extend.LONG_CONFIG, attention_extend.HEAVY_FIRST = (
+        short,
+        long,
+        heavy,
+    )
 
 
 def bench_us(fn) -> float:
@@ -595,7 +599,14 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
     chunks = []
     for prefix in range(0, prompt_len, chunk):
         batch = make_paged_batch(
-            [prefix], [chunk], num_kv_heads, head_dim, PAGE_SIZE, DTYPE, DEVICE, torch.Generator().manual_seed(prefix)
+            [prefix],
+            [chunk],
+            num_kv_heads,
+            head_dim,
+            PAGE_SIZE,
+            DTYPE,
+            DEVICE,
+            torch.Generator().manual_seed(prefix),
         )
         q = torch.randn((chunk, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
         args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.prefix_lens)
@@ -640,7 +651,8 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
                     failures.append(f"extend long {config} prefix {prefix}: max abs err {err:.3g}")
                 times.append(bench_us(lambda: extend_attention(*args)))
             print(
-                f"  {config}: " + "  ".join(f"{t:8.1f}" for t in times)
+                f"  {config}: "
+                + "  ".join(f"{t:8.1f}" for t in times)
                 + f"   {total_flop / sum(times) / 1e6:6.1f} TFLOP/s",
                 flush=True,
             )
@@ -652,14 +664,24 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
     for extend in (512, 1024, 1536, 2048, 4096):
         count = chunk // extend
         batch = make_paged_batch(
-            [0] * count, [extend] * count, num_kv_heads, head_dim, PAGE_SIZE, DTYPE, DEVICE, torch.Generator().manual_seed(extend)
+            [0] * count,
+            [extend] * count,
+            num_kv_heads,
+            head_dim,
+            PAGE_SIZE,
+            DTYPE,
+            DEVICE,
+            torch.Generator().manual_seed(extend),
         )
         q = torch.randn((count * extend, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
         args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.prefix_lens)
         args += (batch.seq_lens, batch.cu_extend_lens, extend, head_dim**-0.5)
         flop = 4 * head_dim * num_heads * count * extend * (extend + 1) // 2
         line = []
-        for name, config in (("short", attention_extend.SHORT_CONFIG), ("long", attention_extend.LONG_CONFIG)):
+        for name, config in (
+            ("short", attention_extend.SHORT_CONFIG),
+            ("long", attention_extend.LONG_CONFIG),
+        ):
             force_extend_config(config)
             us = bench_us(lambda: extend_attention(*args))
             line.append(f"{name} {config}: {us:7.1f} us {flop / us / 1e6:6.1f} TFLOP/s")
@@ -713,7 +735,9 @@ def gemm_configs_us(x: torch.Tensor, weights: list[torch.Tensor]) -> list[tuple[
     return results
 
 
-def gemm_sweep(full: bool, models: list[str] | None = None, sweep_rows: tuple[int, ...] | None = None) -> None:
+def gemm_sweep(
+    full: bool, models: list[str] | None = None, sweep_rows: tuple[int, ...] | None = None
+) -> None:
     """Decode-shaped GEMMs: cuBLAS (F.linear) against minfer.kernels.gemm with its default
     configuration and, with `full`, a sweep of tile sizes and K splits. Weights from HBM."""
     import torch.nn.functional as F
@@ -797,7 +821,9 @@ def main() -> None:
         "--gemm", action="store_true", help="only the decode GEMMs: cuBLAS vs the Triton kernel"
     )
     parser.add_argument("--gemm-sweep", action="store_true", help="--gemm plus a sweep of its launch configs")
-    parser.add_argument("--extend-long", action="store_true", help="only extend attention over one long prompt")
+    parser.add_argument(
+        "--extend-long", action="store_true", help="only extend attention over one long prompt"
+    )
     parser.add_argument("--gemm-models", nargs="*", help="only these models' GEMMs (default: all)")
     parser.add_argument("--gemm-sweep-rows", nargs="*", type=int, help="sweep at these row counts")
     opts = parser.parse_args()

@@ -170,11 +170,25 @@ def test_extend_reads_fp8_in_the_long_prompt_configuration():
     prefix_lens, extend_lens = [0, 3000], [2048, 2500]
     assert max(extend_lens) >= attention_extend.LONG_EXTEND
     gen = _gen("extend-long")
-    batch = make_paged_batch(prefix_lens, extend_lens, num_kv_heads, head_dim, 16, torch.bfloat16, device, gen)
+    batch = make_paged_batch(
+        prefix_lens, extend_lens, num_kv_heads, head_dim, 16, torch.bfloat16, device, gen
+    )
     k_scale, v_scale = _scales(num_kv_heads, device), _scales(num_kv_heads, device, 2.0)
     batch = _fp8_pools(batch, k_scale, v_scale)
-    q = torch.randn((sum(extend_lens), num_kv_heads * group, head_dim), generator=gen).to(torch.bfloat16).to(device)
-    common = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.prefix_lens, batch.seq_lens)
+    q = (
+        torch.randn((sum(extend_lens), num_kv_heads * group, head_dim), generator=gen)
+        .to(torch.bfloat16)
+        .to(device)
+    )
+    common = (
+        q,
+        batch.k_pool,
+        batch.v_pool,
+        batch.page_table,
+        batch.table_idx,
+        batch.prefix_lens,
+        batch.seq_lens,
+    )
     out = extend_attention(
         *common, batch.cu_extend_lens, max(extend_lens), head_dim**-0.5, k_scale=k_scale, v_scale=v_scale
     )
