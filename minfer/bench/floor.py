@@ -3,6 +3,9 @@
 Decode: every step reads all weights once plus the KV of every running request (bytes over
 memory bandwidth). Prefill: 2 x parameters FLOPs per prompt token (FLOPs over matmul rate).
 The attention FLOPs and activation traffic are left out, so the floor is a true lower bound.
+Prefill's causal attention FLOPs are kept apart (`Floor.attention_seconds`): negligible for
+prompts of a few hundred tokens, a third of a 32k-token prompt's FLOPs on an 8B model, where a
+floor without them would flatter nothing and understate how close a run is.
 
 Mixture-of-experts models (`MoeWeights`): a decode step reads only the experts its tokens
 chose. Under uniform routing, B tokens each picking k of E experts touch
@@ -98,10 +101,26 @@ class MoeWeights:
 class Floor:
     decode_seconds: float
     prefill_seconds: float
+    attention_seconds: float = 0.0  # prefill's causal attention FLOPs, not part of `seconds`
 
     @property
     def seconds(self) -> float:
         return self.decode_seconds + self.prefill_seconds
+
+    @property
+    def seconds_with_attention(self) -> float:
+        return self.seconds + self.attention_seconds
+
+
+def attention_flops_per_pair(head_dim: int, num_heads: int, num_layers: int) -> int:
+    """FLOPs of one (query, key) pair over all layers and q heads: q.k and p.v, a multiply-add
+    (2 FLOPs) per element of each."""
+    return 4 * head_dim * num_heads * num_layers
+
+
+def causal_attention_flops(prompt_lens: list[int], flops_per_pair: int) -> int:
+    """Prefill's attention FLOPs: token j of a prompt attends to keys 0..j, L (L + 1) / 2 pairs."""
+    return flops_per_pair * sum(n * (n + 1) // 2 for n in prompt_lens)
 
 
 def workload_floor(
@@ -112,12 +131,14 @@ def workload_floor(
     prompt_lens: list[int],
     output_lens: list[int],
     moe: MoeWeights | None = None,
+    flops_per_pair: int = 0,
 ) -> Floor:
     """All requests run concurrently from the first decode step (the most favourable batching):
     step s reads the weights and, for each request still generating, prompt + s tokens of KV.
     The first output token comes from prefill, so a request of n outputs takes n - 1 decode steps.
     With `moe`, `num_params` and `weight_bytes` include the experts; step s reads the experts
-    that its batch (the requests still generating) is expected to touch."""
+    that its batch (the requests still generating) is expected to touch. `flops_per_pair`
+    (attention_flops_per_pair) gives the prefill's causal attention its own term."""
     steps = max(output_lens) - 1
     kv_token_reads = sum(
         n * (p + (n - 1) / 2) for p, n in ((p, o - 1) for p, o in zip(prompt_lens, output_lens))
@@ -132,4 +153,5 @@ def workload_floor(
         prefill_params = num_params - moe.params + moe.layers * moe.top_k * moe.params_per_expert
     decode = (weight_reads + kv_token_reads * kv_bytes_per_token) / card.bandwidth
     prefill = 2 * prefill_params * sum(prompt_lens) / card.matmul_rate
-    return Floor(decode, prefill)
+    attention = causal_attention_flops(prompt_lens, flops_per_pair) / card.matmul_rate
+    return Floor(decode, prefill, attention)

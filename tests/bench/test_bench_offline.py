@@ -77,7 +77,29 @@ def test_bench_runs_on_cpu(tmp_path):
     floor_line = next(line for line in out.splitlines() if line.startswith("floor on this CPU ("))
     percent = float(floor_line.split("this run is at ")[1].split("%")[0])
     assert 0 < percent <= 100, floor_line  # a tiny model is far from its floor: overheads dominate
+    attention_line = next(
+        line for line in out.splitlines() if line.startswith("with prefill's causal attention")
+    )
+    with_attention = float(attention_line.split("this run is at ")[1].split("%")[0])
+    assert percent < with_attention <= 100, attention_line
     assert re.search(r"card this CPU \(\d+ threads?, measured\): memory bandwidth [\d,.]+ GB/s", out)
+
+
+def test_floor_counts_causal_attention_apart():
+    """L (L + 1) / 2 (query, key) pairs per prompt at 4 x head_dim x heads x layers FLOPs each,
+    in its own term: the floor's `seconds` (and every figure quoted against it) is unchanged.
+    Llama-3.1-8B's 27,770-token prompt: 202 TFLOP, 0.26 s on an H200 (docs/BENCHMARKS.md)."""
+    from minfer.bench.floor import attention_flops_per_pair, causal_attention_flops
+
+    per_pair = attention_flops_per_pair(128, 32, 32)
+    assert per_pair == 524_288
+    assert causal_attention_flops([3, 1], per_pair) == (6 + 1) * per_pair  # 3 + 2 + 1 pairs, and 1
+    assert abs(causal_attention_flops([27_770], per_pair) / H200.matmul_rate - 0.256) < 0.001
+    common = (H200, 1_000_000, 2_000_000, 1000, [10, 20], [3, 3])
+    plain = workload_floor(*common)
+    counted = workload_floor(*common, flops_per_pair=per_pair)
+    assert plain.attention_seconds == 0 and counted.seconds == plain.seconds
+    assert counted.seconds_with_attention == plain.seconds + (55 + 210) * per_pair / H200.matmul_rate
 
 
 def test_host_card_is_measured():
