@@ -81,7 +81,8 @@ def test_bench_runs_on_cpu(tmp_path):
         line for line in out.splitlines() if line.startswith("with prefill's causal attention")
     )
     with_attention = float(attention_line.split("this run is at ")[1].split("%")[0])
-    assert percent < with_attention <= 100, attention_line
+    # a tiny model's attention FLOPs move the one-decimal figure little or not at all
+    assert percent <= with_attention <= 100, attention_line
     assert re.search(r"card this CPU \(\d+ threads?, measured\): memory bandwidth [\d,.]+ GB/s", out)
 
 
