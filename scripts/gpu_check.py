@@ -159,9 +159,13 @@ def decode_case(model: str, batch_size: int, seq_lens: list[int], label: str) ->
     del batch
 
 
-def extend_case(model: str, prefix_lens: list[int], extend_lens: list[int], label: str) -> None:
+def extend_problem(
+    model: str, prefix_lens: list[int], extend_lens: list[int], seed: int, table_width: int | None = None
+) -> tuple[tuple, int]:
+    """One extend launch with `model`'s heads (page size 16, pages shuffled): extend_attention's
+    arguments and the launch's causal FLOPs (query j of a request sees prefix + j + 1 keys; two
+    products of 2 FLOPs per multiply-add)."""
     num_heads, num_kv_heads, head_dim = MODELS[model][:3]
-    gen = torch.Generator().manual_seed(len(prefix_lens))
     batch = make_paged_batch(
         prefix_lens,
         extend_lens,
@@ -170,44 +174,35 @@ def extend_case(model: str, prefix_lens: list[int], extend_lens: list[int], labe
         PAGE_SIZE,
         DTYPE,
         DEVICE,
-        gen,
-        table_width=TABLE_WIDTH,
+        torch.Generator().manual_seed(seed),
+        table_width=table_width,
     )
     q = torch.randn((sum(extend_lens), num_heads, head_dim), device=DEVICE, dtype=DTYPE)
-    scale = head_dim**-0.5
+    args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.prefix_lens)
+    args += (batch.seq_lens, batch.cu_extend_lens, max(extend_lens), head_dim**-0.5)
+    pairs = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens))
+    return args, 4 * head_dim * num_heads * pairs
+
+
+def extend_reference(args: tuple) -> torch.Tensor:
+    """extend_attention_reference on extend_problem's arguments."""
+    q, k_pool, v_pool, page_table, table_idx, prefix_lens, seq_lens, _, _, scale = args
+    return extend_attention_reference(q, k_pool, v_pool, page_table, table_idx, prefix_lens, seq_lens, scale)
+
+
+def extend_case(model: str, prefix_lens: list[int], extend_lens: list[int], label: str) -> None:
+    num_heads, num_kv_heads, head_dim = MODELS[model][:3]
+    args, flop = extend_problem(model, prefix_lens, extend_lens, len(prefix_lens), TABLE_WIDTH)
 
     def run():
-        return extend_attention(
-            q,
-            batch.k_pool,
-            batch.v_pool,
-            batch.page_table,
-            batch.table_idx,
-            batch.prefix_lens,
-            batch.seq_lens,
-            batch.cu_extend_lens,
-            max(extend_lens),
-            scale,
-        )
+        return extend_attention(*args)
 
-    expected = extend_attention_reference(
-        q,
-        batch.k_pool,
-        batch.v_pool,
-        batch.page_table,
-        batch.table_idx,
-        batch.prefix_lens,
-        batch.seq_lens,
-        scale,
-    )
+    expected = extend_reference(args)
     err = check(f"extend {model} {label}", run(), expected, 1e-2, 1e-2)
     del expected
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     kv_bytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * DTYPE.itemsize
-    qo_bytes = 2 * q.numel() * DTYPE.itemsize
-    # causal: query j of a request sees prefix + j + 1 keys; 2 matmuls of 2 flops per multiply-add
-    pairs = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens))
-    flop = 4 * pairs * num_heads * head_dim
+    qo_bytes = 2 * args[0].numel() * DTYPE.itemsize
     record(
         "extend_attn",
         model,
@@ -590,35 +585,20 @@ def qwen3_sweep() -> None:
 
 
 def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
-    """Extend attention over one long prompt in prefill chunks (Llama-8B heads, page size 16,
-    pages shuffled), as chunked prefill runs it: the chunk at prefix P computes `chunk` queries
-    over P + its own keys. Launch configurations and the heavy-first block order are timed
-    against the causal FLOPs of all chunks; each is checked against the default's output, and
-    the default against the torch reference on the first chunk."""
-    num_heads, num_kv_heads, head_dim = MODELS["llama-8b"][:3]
-    chunks = []
-    for prefix in range(0, prompt_len, chunk):
-        batch = make_paged_batch(
-            [prefix],
-            [chunk],
-            num_kv_heads,
-            head_dim,
-            PAGE_SIZE,
-            DTYPE,
-            DEVICE,
-            torch.Generator().manual_seed(prefix),
-        )
-        q = torch.randn((chunk, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
-        args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.prefix_lens)
-        args += (batch.seq_lens, batch.cu_extend_lens, chunk, head_dim**-0.5)
-        flop = 4 * head_dim * num_heads * (chunk * prefix + chunk * (chunk + 1) // 2)
-        chunks.append((prefix, args, flop, batch))
-    first = chunks[0]
-    reference = extend_attention_reference(*first[1][:6], first[1][6], first[1][9])
-    check("extend long, first chunk", extend_attention(*first[1]), reference, atol=2e-2, rtol=2e-2)
+    """Extend attention over one long prompt in prefill chunks (Llama-8B heads), as chunked
+    prefill runs it: the chunk at prefix P computes `chunk` queries over P + its own keys.
+    Launch configurations and the heavy-first block order are timed against the causal FLOPs
+    of all chunks; each is checked against the default's output, and the default against the
+    torch reference on the first chunk."""
+    chunks = [
+        (prefix, *extend_problem("llama-8b", [prefix], [chunk], prefix))
+        for prefix in range(0, prompt_len, chunk)
+    ]
+    reference = extend_reference(chunks[0][1])
+    check("extend long, first chunk", extend_attention(*chunks[0][1]), reference, atol=2e-2, rtol=2e-2)
     del reference
-    expected = [extend_attention(*args) for _, args, _, _ in chunks]
-    total_flop = sum(f for _, _, f, _ in chunks)
+    expected = [extend_attention(*args) for _, args, _ in chunks]
+    total_flop = sum(flop for _, _, flop in chunks)
     print(
         f"\n== extend attention, one {prompt_len}-token prompt in {chunk}-token chunks (llama-8b heads): "
         f"us per chunk, TFLOP/s of all chunks (floor 790) ==",
@@ -644,7 +624,7 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
         force_extend_config(config)
         try:
             times = []
-            for (prefix, args, _, _), want in zip(chunks, expected):
+            for (prefix, args, _), want in zip(chunks, expected):
                 out = extend_attention(*args)
                 err = (out.float() - want.float()).abs().max().item()
                 if err > 2e-2:
@@ -663,20 +643,7 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
     print("\n== where the long configuration starts: 8192 tokens of prompts of E tokens each ==", flush=True)
     for extend in (512, 1024, 1536, 2048, 4096):
         count = chunk // extend
-        batch = make_paged_batch(
-            [0] * count,
-            [extend] * count,
-            num_kv_heads,
-            head_dim,
-            PAGE_SIZE,
-            DTYPE,
-            DEVICE,
-            torch.Generator().manual_seed(extend),
-        )
-        q = torch.randn((count * extend, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
-        args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.prefix_lens)
-        args += (batch.seq_lens, batch.cu_extend_lens, extend, head_dim**-0.5)
-        flop = 4 * head_dim * num_heads * count * extend * (extend + 1) // 2
+        args, flop = extend_problem("llama-8b", [0] * count, [extend] * count, extend)
         line = []
         for name, config in (
             ("short", attention_extend.SHORT_CONFIG),

@@ -110,9 +110,10 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_h
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
+    # this split's rows of the partials, contiguous [B, Hq, num_splits, HEAD_DIM] and [B, Hq, num_splits]
+    lse_idx = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split
     if not DIRECT_OUT:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if start >= end:  # a slice past the end of a short sequence: the merge weighs it zero
-            lse_idx = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split
             tl.store(part_lse_ptr + lse_idx, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_mask)
             return
 
@@ -201,8 +202,6 @@ def _decode_split_kernel(
             mask=hd_mask,
         )
     else:
-        # partials are contiguous [B, Hq, num_splits, HEAD_DIM] and [B, Hq, num_splits]
-        lse_idx = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split
         tl.store(part_out_ptr + lse_idx[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], o, mask=hd_mask)
         tl.store(part_lse_ptr + lse_idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=h_mask)
 

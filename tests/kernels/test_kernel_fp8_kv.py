@@ -135,11 +135,8 @@ def test_decode_reads_fp8(dtype, device):
     assert not torch.allclose(unscaled, expected, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_extend_reads_fp8(dtype, device):
-    num_kv_heads, group, head_dim = 2, 2, 64
-    prefix_lens, extend_lens = [0, 21, 3], [19, 1, 30]
-    gen = _gen("extend", str(dtype))
+def _extend_on_fp8_pool(gen, dtype, device, num_kv_heads, group, head_dim, prefix_lens, extend_lens):
+    """Extend attention over an fp8 pool with per-head scales: (Triton's output, the reference)."""
     batch = make_paged_batch(prefix_lens, extend_lens, num_kv_heads, head_dim, 16, dtype, device, gen)
     k_scale, v_scale = _scales(num_kv_heads, device), _scales(num_kv_heads, device, 2.0)
     batch = _fp8_pools(batch, k_scale, v_scale)
@@ -157,7 +154,14 @@ def test_extend_reads_fp8(dtype, device):
     out = extend_attention(
         *common, batch.cu_extend_lens, max(extend_lens), scale, k_scale=k_scale, v_scale=v_scale
     )
-    expected = extend_attention_reference(*common, scale, k_scale=k_scale, v_scale=v_scale)
+    return out, extend_attention_reference(*common, scale, k_scale=k_scale, v_scale=v_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_reads_fp8(dtype, device):
+    out, expected = _extend_on_fp8_pool(
+        _gen("extend", str(dtype)), dtype, device, 2, 2, 64, [0, 21, 3], [19, 1, 30]
+    )
     torch.testing.assert_close(out, expected, **tolerance(dtype))
 
 
@@ -165,34 +169,11 @@ def test_extend_reads_fp8(dtype, device):
 def test_extend_reads_fp8_in_the_long_prompt_configuration():
     """Extends of LONG_EXTEND tokens or more take the 128 x 128 launch configuration; on an fp8
     pool too."""
-    device = torch.device("cuda")
-    num_kv_heads, group, head_dim = 8, 4, 128
-    prefix_lens, extend_lens = [0, 3000], [2048, 2500]
+    extend_lens = [2048, 2500]
     assert max(extend_lens) >= attention_extend.LONG_EXTEND
-    gen = _gen("extend-long")
-    batch = make_paged_batch(
-        prefix_lens, extend_lens, num_kv_heads, head_dim, 16, torch.bfloat16, device, gen
+    out, expected = _extend_on_fp8_pool(
+        _gen("extend-long"), torch.bfloat16, torch.device("cuda"), 8, 4, 128, [0, 3000], extend_lens
     )
-    k_scale, v_scale = _scales(num_kv_heads, device), _scales(num_kv_heads, device, 2.0)
-    batch = _fp8_pools(batch, k_scale, v_scale)
-    q = (
-        torch.randn((sum(extend_lens), num_kv_heads * group, head_dim), generator=gen)
-        .to(torch.bfloat16)
-        .to(device)
-    )
-    common = (
-        q,
-        batch.k_pool,
-        batch.v_pool,
-        batch.page_table,
-        batch.table_idx,
-        batch.prefix_lens,
-        batch.seq_lens,
-    )
-    out = extend_attention(
-        *common, batch.cu_extend_lens, max(extend_lens), head_dim**-0.5, k_scale=k_scale, v_scale=v_scale
-    )
-    expected = extend_attention_reference(*common, head_dim**-0.5, k_scale=k_scale, v_scale=v_scale)
     torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
 
 
