@@ -3,7 +3,9 @@ launches it replaces: rope_store, then decode attention over the finished q and 
 
 Both run the same Triton helpers in the same order, so the attention outputs and the pools must
 agree exactly, whichever split holds the new position, with Qwen3's q/k norms or without, and
-for an fp8 pool (which quantizes the new k and v on the way in).
+for an fp8 pool (which quantizes the new k and v on the way in) -- except float32 on a GPU, where
+the compiler fuses the norm's multiply-adds differently in the two kernels (seen on an H200: up
+to 5e-7 apart, a few float32 ulps), so there they must agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ def _case(dtype, device, seq_lens, qk_norm, seed=3):
     return batch, q, new_kv
 
 
+def _same_rounding(dtype, device) -> dict:
+    """assert_close tolerances for "the same arithmetic": exact, but float32 on CUDA to its rounding."""
+    if dtype == torch.float32 and device.type == "cuda":
+        return dict(atol=1e-5, rtol=1.3e-6)
+    return dict(atol=0, rtol=0)
+
+
 def _fp8_pools(batch):
     device = batch.k_pool.device
     scales = torch.tensor([0.5, 2.0], device=device), torch.tensor([1.5, 0.25], device=device)
@@ -75,9 +84,10 @@ def test_prologue_equals_rope_store_then_attention(dtype, qk_norm, num_splits, d
 
     q_before = q.clone()
     out = decode_attention(q, batch.k_pool, batch.v_pool, *args, num_splits=num_splits, new_kv=new_kv)
-    torch.testing.assert_close(out, expected, atol=0, rtol=0)
-    torch.testing.assert_close(batch.k_pool, k_two, atol=0, rtol=0)  # the new k, rotated, in its slot
-    torch.testing.assert_close(batch.v_pool, v_two, atol=0, rtol=0)
+    same = _same_rounding(dtype, q.device)
+    torch.testing.assert_close(out, expected, **same)
+    torch.testing.assert_close(batch.k_pool, k_two, **same)  # the new k, rotated, in its slot
+    torch.testing.assert_close(batch.v_pool, v_two, **same)
     assert torch.equal(q, q_before), "the prologue finishes q in registers and leaves the input alone"
 
 
@@ -126,4 +136,4 @@ def test_backend_finishes_new_kv_at_any_batch_size(batch_size, device, monkeypat
         out = TritonAttentionBackend().forward(q.clone(), 0, ctx, HEAD_DIM**-0.5, new_kv)
         results.append((out, pool.k[0].clone(), pool.v[0].clone()))
     for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
+        torch.testing.assert_close(a, b, **_same_rounding(torch.float32, a.device))

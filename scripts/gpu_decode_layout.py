@@ -1,0 +1,189 @@
+"""Where the paged decode kernel's time goes: slot layout, split count, fp8 launch (H200).
+
+    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py            # the timing table
+    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --splits    # split counts at 16-96 running
+    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --registers # fp8 launch constants, register cap
+    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --once fp8  # a few launches, for ncu
+
+The engine's pool has page size 1, and decode appends one slot per request per step, so a
+request's keys end up scattered one row at a time. This times the decode kernel on the
+benchmark's shapes with two slot layouts: scattered single rows (what the engine has) and one
+contiguous run per request. (A first version also timed the grid's two orders; kv head fastest
+won and is the kernel's order: docs/BENCHMARKS.md, eighth session.) All times are CUDA-graph
+replays, as the engine runs decode: timed eagerly, a launch under ~60 us measures the CPU's
+launch cost (up to two Triton launches of ~40 arguments each) instead of the kernel. If
+contiguous runs are much faster, DRAM access granularity bounds the kernel; if not, the work
+per row does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import random
+import sys
+
+import torch
+import triton.testing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "kernels")]
+
+from kernel_cases import make_paged_batch  # noqa: E402
+
+from minfer.kernels import attention_decode as ad  # noqa: E402
+from minfer.kvcache.pool import FP8_MAX, quantize_fp8  # noqa: E402
+
+DEVICE, DTYPE = torch.device("cuda"), torch.bfloat16
+MODELS = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}  # q heads, kv heads, head dim
+BATCHES = (256, 128, 64, 32, 16)
+DEFAULTS = (ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS)
+LAYOUTS = {"rows": 1, "contiguous": 2048}  # page size of the random layout
+
+
+def build(model: str, batch_size: int, page_size: int, seed: int = 0):
+    num_heads, num_kv_heads, head_dim = MODELS[model]
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(512, 1536) for _ in range(batch_size)]
+    batch = make_paged_batch(
+        [s - 1 for s in seq_lens],
+        [1] * batch_size,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        DTYPE,
+        DEVICE,
+        torch.Generator().manual_seed(1),
+        4096,
+    )
+    q = torch.randn((batch_size, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
+    k_scale = batch.k_pool.float().abs().amax(dim=(0, 2)) / FP8_MAX
+    v_scale = batch.v_pool.float().abs().amax(dim=(0, 2)) / FP8_MAX
+    pools = {
+        "bf16": (batch.k_pool, batch.v_pool, {}),
+        "fp8": (
+            quantize_fp8(batch.k_pool, k_scale),
+            quantize_fp8(batch.v_pool, v_scale),
+            {"k_scale": k_scale, "v_scale": v_scale},
+        ),
+    }
+    common = (batch.page_table, batch.table_idx, batch.seq_lens, head_dim**-0.5)
+    values = sum(seq_lens) * num_kv_heads * head_dim * 2  # K and V
+    return q, pools, common, values
+
+
+def timed(fn, calls: int = 20) -> float:
+    """Microseconds per call, from replays of a CUDA graph of `calls` calls: the engine replays
+    decode in graphs, and timed eagerly a small launch measures the CPU's launch cost instead."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3 / calls
+
+
+def table() -> None:
+    print(f"{'model':13s} {'B':>4s} {'layout':10s} {'dtype':5s} {'us':>7s}")
+    for model in MODELS:
+        for batch_size in BATCHES:
+            for layout, page_size in LAYOUTS.items():
+                q, pools, common, values = build(model, batch_size, page_size)
+                for name, (k_pool, v_pool, scales) in pools.items():
+                    width = 2 if name == "bf16" else 1
+                    t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
+                    print(
+                        f"{model:13s} {batch_size:4d} {layout:10s} {name:5s} {t:7.1f}   {values * width / t / 1e6:4.2f} TB/s",
+                        flush=True,
+                    )
+                del pools
+                torch.cuda.empty_cache()
+
+
+def splits_study() -> None:
+    """Decode time by explicit split count around the batch sizes where the default turns to
+    one split, to see whether the choice (choose_num_splits) or something else costs there."""
+    for batch_size in (16, 24, 32, 48, 64, 96):
+        q, pools, common, values = build("qwen3-0.6b", batch_size, 1)
+        for name, (k_pool, v_pool, scales) in pools.items():
+            width = 2 if name == "bf16" else 1
+            block_n = ad.FP8_BLOCK_N if scales else ad.BLOCK_N
+            default = ad.choose_num_splits(batch_size, k_pool.shape[1], common[0].shape[1], DEVICE, block_n)
+            cells = []
+            for splits in (1, 2, 3, 4, 6, 8):
+                t = timed(
+                    lambda: ad.decode_attention(q, k_pool, v_pool, *common, num_splits=splits, **scales)
+                )
+                cells.append(f"{splits}:{t:6.1f}")
+            t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
+            print(
+                f"B={batch_size:3d} {name:5s} default {default} splits {t:6.1f} us "
+                f"({values * width / t / 1e6:4.2f} TB/s) | " + " ".join(cells),
+                flush=True,
+            )
+
+
+def register_sweep() -> None:
+    """The fp8 pool's launch constants with a register cap: uncapped the kernel takes 200
+    registers per thread (two programs of 4 warps per SM); a cap trades spills for programs."""
+    caps = {4: (None, 168, 128), 8: (None, 128, 96)}
+    for batch_size in (256, 64, 16):
+        q, pools, common, values = build("qwen3-0.6b", batch_size, 1)
+        k_pool, v_pool, scales = pools["fp8"]
+        results = []
+        for block_n, warps, stages in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+            for cap in caps[warps]:
+                ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS = (
+                    block_n,
+                    warps,
+                    stages,
+                    cap,
+                )
+                try:
+                    t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
+                except Exception as exc:  # out of shared memory for this configuration
+                    print(f"  B={batch_size} {block_n}/{warps}/{stages}/{cap}: {type(exc).__name__}")
+                    continue
+                results.append((t, block_n, warps, stages, cap))
+        ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS = DEFAULTS
+        results.sort(key=lambda r: r[0])
+        default = next(r for r in results if r[1:] == DEFAULTS)
+        for t, block_n, warps, stages, cap in results[:4] + [default]:
+            print(
+                f"B={batch_size:3d} fp8 BLOCK_N={block_n:3d} warps={warps} stages={stages} cap={cap}: "
+                f"{t:6.1f} us ({values / t / 1e6:4.2f} TB/s){'  <- default' if (block_n, warps, stages, cap) == DEFAULTS else ''}",
+                flush=True,
+            )
+        del pools
+        torch.cuda.empty_cache()
+
+
+def once(dtype: str, batch_size: int) -> None:
+    q, pools, common, _ = build("qwen3-0.6b", batch_size, 1)
+    k_pool, v_pool, scales = pools[dtype]
+    for _ in range(3):
+        ad.decode_attention(q, k_pool, v_pool, *common, **scales)
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--once", choices=["bf16", "fp8"], help="run a few launches only (for ncu)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--splits", action="store_true", help="time split counts at 16-96 running")
+    parser.add_argument("--registers", action="store_true", help="sweep the fp8 launch and its register cap")
+    args = parser.parse_args()
+    if args.registers:
+        register_sweep()
+    elif args.splits:
+        splits_study()
+    elif args.once:
+        once(args.once, args.batch)
+    else:
+        table()
+
+
+if __name__ == "__main__":
+    main()
