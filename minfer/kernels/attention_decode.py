@@ -38,17 +38,16 @@ MAX_SPLITS = 64
 # on an H200 in bf16: Llama-8B heads, B=256, mean context 1028: 287 us, 3.77 TB/s of K/V read
 # (88% of the 4.26 TB/s copy ceiling).
 BLOCK_N = 64  # keys per inner step
-# An fp8 pool: 128 keys per step. The kernel is bound by per-row gathers (address arithmetic and
-# widening per element), not by bytes, so an fp8 row (half a bf16 row) only pays with more rows
-# per step: at Qwen3-0.6B heads on an H200 (scripts/gpu_decode_sweep.py), B=16 91 -> 34 us,
-# B=64 102 -> 96 us, B=256 274 -> 255 us (bf16 with 64: 36, 88, 271 us).
+# An fp8 pool: 128 keys per step (the fourth session's eagerly timed sweep; the eighth session's
+# graph-timed one, with the register cap below, found it best at B=16, 64 and 256).
 FP8_BLOCK_N = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
-# An fp8 pool's kernel takes 200 registers per thread uncapped (the e4m3 -> fp16 widening keeps
-# tiles in registers), which leaves room for two programs per SM, too few loads in flight
-# (ncu: 2.40 TB/s, 12.5% occupancy). Capped at 168 three fit without spilling: 218 -> 185 us at
-# B=256 (128 spills and is slower, 209 us). scripts/gpu_decode_layout.py --registers sweeps it.
+# An fp8 pool's kernel takes 200 registers per thread uncapped (more live values around the
+# e4m3 -> fp16 widening), which leaves room for two programs per SM: too few loads in flight
+# (ncu at B=256: 2.40 TB/s, 12.5% occupancy). Capped at 168, three fit without spilling: 218 ->
+# 185 us at B=256 (a cap of 128 spills and is slower, 209 us). The bf16 kernel already uses 128
+# and four fit. scripts/gpu_decode_layout.py --registers sweeps it.
 FP8_MAX_REGISTERS = 168
 
 
