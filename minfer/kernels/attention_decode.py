@@ -30,7 +30,7 @@ import triton.language as tl
 
 from minfer.kernels.attention_merge import merge_splits
 from minfer.kernels.common import attend_blocks, fp8_pool_operand, gather_rows, num_sms
-from minfer.kernels.new_kv import NewKV, finish_decode_token
+from minfer.kernels.new_kv import NewKV, decode_prologue_args, finish_decode_token
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -274,7 +274,7 @@ def decode_attention(
         part_out = part_lse = out  # unused: pass 1 writes the output itself
     if batch == 0:
         return out
-    prologue, prologue_strides = _prologue_args(new_kv, q, seq_lens)
+    prologue, prologue_strides = decode_prologue_args(new_kv, q, seq_lens)
     register_cap = {"maxnreg": FP8_MAX_REGISTERS} if k_scale is not None and FP8_MAX_REGISTERS else {}
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q,
@@ -317,20 +317,6 @@ def decode_attention(
     if num_splits > 1:
         merge_splits(out, part_out, part_lse)
     return out
-
-
-def _prologue_args(new_kv: NewKV | None, q: torch.Tensor, seq_lens: torch.Tensor) -> tuple[tuple, tuple]:
-    """The kernel's prologue arguments (new k and v, positions, cos/sin table, norm weights,
-    out_loc, eps) and strides; without `new_kv` the prologue is compiled out and any tensor
-    stands in for them."""
-    if new_kv is None:
-        return (q, q, seq_lens, q, q, q, seq_lens, 0.0), (0, 0, 0, 0, 0)
-    k, v = new_kv.k, new_kv.v
-    if k.shape != (q.shape[0], *k.shape[1:]) or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError(f"new k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {tuple(q.shape)}")
-    norm_w = (new_kv.q_norm_weight, new_kv.k_norm_weight) if new_kv.q_norm_weight is not None else (q, q)
-    args = (k, v, new_kv.positions, new_kv.cos_sin, *norm_w, new_kv.out_loc, new_kv.eps)
-    return args, (k.stride(0), k.stride(1), v.stride(0), v.stride(1), new_kv.cos_sin.stride(0))
 
 
 def decode_attention_reference(

@@ -34,6 +34,22 @@ class NewKV(NamedTuple):
     eps: float = 0.0
 
 
+def decode_prologue_args(
+    new_kv: NewKV | None, q: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[tuple, tuple]:
+    """The decode attention kernel's prologue arguments (new k and v, positions, cos/sin table,
+    norm weights, out_loc, eps) and strides; without `new_kv` the prologue is compiled out and
+    any tensor stands in for them."""
+    if new_kv is None:
+        return (q, q, seq_lens, q, q, q, seq_lens, 0.0), (0, 0, 0, 0, 0)
+    k, v = new_kv.k, new_kv.v
+    if k.shape != (q.shape[0], *k.shape[1:]) or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"new k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {tuple(q.shape)}")
+    norm_w = (new_kv.q_norm_weight, new_kv.k_norm_weight) if new_kv.q_norm_weight is not None else (q, q)
+    args = (k, v, new_kv.positions, new_kv.cos_sin, *norm_w, new_kv.out_loc, new_kv.eps)
+    return args, (k.stride(0), k.stride(1), v.stride(0), v.stride(1), new_kv.cos_sin.stride(0))
+
+
 @triton.jit
 def rope_factors(cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HALF: tl.constexpr, dtype: tl.constexpr):
     """cos and signed sin of position `pos` spread over a whole head row ([1, BLOCK_D]): both
