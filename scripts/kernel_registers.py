@@ -1,0 +1,162 @@
+"""Registers, spills and shared memory of the attention kernels, compiled for an H200 (sm_90)
+on a machine without a GPU, and how many programs of each then fit on one SM.
+
+    python3 scripts/kernel_registers.py                 # decode and extend, uncapped
+    python3 scripts/kernel_registers.py --caps 168 128  # also with those register caps (maxnreg)
+
+Why: on the GPU, whether a launch fits 2 or 3 programs per SM decided the fp8 decode kernel's
+speed (docs/BENCHMARKS.md, eighth session), and that is fixed at compile time. ptxas ships with
+Triton, so the count can be read here, for free, before spending device time on a candidate.
+
+The figures depend on the Triton version: run this with the GPU host's Triton (3.6 on the
+H200 host, ../shared/gpu/README.md), e.g. in a venv with `pip install triton==3.6.0
+torch==2.13.0 numpy msgspec`. With 3.6 it reproduced what the device reported for the decode
+kernel (bf16 128 registers / 39,168 B shared, fp8 200 / 41,472; ncu and Triton's n_regs).
+Triton 3.9 compiles the same source to other counts (fp8 255 registers with spills).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from minfer.kernels import attention_decode, attention_extend  # noqa: E402
+
+H200 = GPUTarget("cuda", 90, 32)
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 233472  # 228 KiB; each program also takes 1 KiB of it for the driver
+INDEX_ARGS = (
+    "page_table_ptr",
+    "table_idx_ptr",
+    "seq_lens_ptr",
+    "prefix_lens_ptr",
+    "cu_extend_lens_ptr",
+    "positions_ptr",
+    "out_loc_ptr",
+)
+
+
+def arg_type(name: str, pool: str) -> str:
+    """Triton's type string for a kernel argument, from the naming the attention kernels use."""
+    if name in ("k_ptr", "v_ptr"):
+        return "*" + pool
+    if name.endswith("scale_ptr") or name in ("part_out_ptr", "part_lse_ptr"):
+        return "*fp32"
+    if name in INDEX_ARGS:
+        return "*i32"
+    if name.endswith("_ptr"):
+        return "*bf16"  # the model's dtype
+    if name in ("eps", "sm_scale_log2"):
+        return "fp32"
+    return "i32"
+
+
+def compile_for_h200(kernel, pool: str, constexprs: dict, num_warps: int, num_stages: int, cap: int | None):
+    """(registers, spill stack bytes, shared bytes). Pointers and strides are marked divisible by
+    16, as Triton's launcher specializes them on the device (pool strides are multiples of the
+    head dim); without that the loads are not pipelined and the counts are another kernel's."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {n: "constexpr" if n in constexprs else arg_type(n, pool) for n in names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if n not in constexprs
+        and (signature[n].startswith("*") or (n.startswith("stride") and n != "stride_page_row"))
+    }
+    source = ASTSource(
+        kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs
+    )
+    options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": cap} if cap else {}))
+    compiled = triton.compile(source, target=H200, options=options)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run(
+            [tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True
+        ).stdout
+    found = re.search(r"REG:(\d+)\s+STACK:(\d+)", usage)
+    return int(found.group(1)), int(found.group(2)), compiled.metadata.shared
+
+
+def programs_per_sm(registers: int, num_warps: int, shared: int) -> int:
+    per_warp = -(-registers * 32 // 256) * 256  # registers are allocated per warp in units of 256
+    return min(REGISTERS_PER_SM // (per_warp * num_warps), SHARED_PER_SM // (shared + 1024), 32)
+
+
+def cases():
+    """(name, kernel, pool dtype, constexprs, num_warps, num_stages, the engine's register cap)
+    for the engine's launches."""
+    ad, ae = attention_decode, attention_extend
+    for pool, scaled in (("bf16", False), ("fp8e4nv", True)):
+        block_n = ad.FP8_BLOCK_N if scaled else ad.BLOCK_N
+        for splits, new_kv in ((1, False), (4, False), (4, True)):
+            constexprs = dict(
+                GROUP=2,
+                HEAD_DIM=128,
+                DIRECT_OUT=splits == 1,
+                KV_SCALED=scaled,
+                NEW_KV=new_kv,
+                HAS_NORM=new_kv,
+                BLOCK_H=16,
+                BLOCK_D=128,
+                BLOCK_N=block_n,
+            )
+            if splits == 1:
+                constexprs["num_splits"] = 1  # Triton specializes an int argument equal to 1
+            label = (
+                f"decode {pool:7s} {'1 split' if splits == 1 else 'splits'}{' +prologue' if new_kv else ''}"
+            )
+            engine_cap = ad.FP8_MAX_REGISTERS if scaled else None
+            yield label, ad._decode_split_kernel, pool, constexprs, ad.NUM_WARPS, ad.NUM_STAGES, engine_cap
+    for config_name, (block_m, block_n, warps, stages) in (
+        ("short", ae.SHORT_CONFIG),
+        ("long", ae.LONG_CONFIG),
+    ):
+        for pool, scaled in (("bf16", False), ("fp8e4nv", True)):
+            constexprs = dict(
+                GROUP=4,
+                HEAD_DIM=128,
+                KV_SCALED=scaled,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                BLOCK_D=128,
+                HEAVY_FIRST=ae.HEAVY_FIRST,
+            )
+            yield f"extend {pool:7s} {config_name}", ae._extend_kernel, pool, constexprs, warps, stages, None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--caps", type=int, nargs="*", default=[], help="register caps to compile with too")
+    args = parser.parse_args()
+    print(f"triton {triton.__version__}, target sm_90 (the device's Triton is 3.6: see the docstring)")
+    print("(* the cap the engine launches with)")
+    print(
+        f"{'launch':32s} {'cap':>5s} {'registers':>9s} {'spill B':>7s} {'shared B':>8s} {'programs/SM':>11s}"
+    )
+    for label, kernel, pool, constexprs, warps, stages, engine_cap in cases():
+        for cap in dict.fromkeys([None, engine_cap, *args.caps]):
+            registers, spill, shared = compile_for_h200(kernel, pool, constexprs, warps, stages, cap)
+            mark = "*" if cap == engine_cap else " "
+            print(
+                f"{label:32s} {str(cap or '-') + mark:>5s} {registers:9d} {spill:7d} {shared:8d} "
+                f"{programs_per_sm(registers, warps, shared):11d}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
