@@ -128,12 +128,12 @@ def splits_study() -> None:
 def register_sweep() -> None:
     """The fp8 pool's launch constants with a register cap: uncapped the kernel takes 200
     registers per thread (two programs of 4 warps per SM); a cap trades spills for programs."""
-    caps = {4: (None, 168, 128), 8: (None, 128, 96)}
+    caps = {4: (None, 168, 128, 96), 8: (None, 128, 96)}
     for batch_size in (256, 64, 16):
         q, pools, common, values = build("qwen3-0.6b", batch_size, 1)
         k_pool, v_pool, scales = pools["fp8"]
         results = []
-        for block_n, warps, stages in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
             for cap in caps[warps]:
                 ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS = (
                     block_n,
