@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python3 scripts/gpu_fp8_check.py          # about a minute on an H200
     PYTHONPATH=$PWD python3 scripts/gpu_fp8_check.py --cpu-smoke   # tiny shapes, interpreter
+    PYTHONPATH=$PWD python3 scripts/gpu_fp8_check.py --extend-caps 168  # also the fp8 extend capped
 
 For Qwen3-0.6B and Llama-3.1-8B heads:
   rope_store   writing an fp8 pool vs torch (RoPE in bf16, then KVPool's quantize_fp8): share of
@@ -25,6 +26,9 @@ import sys
 import types
 
 SMOKE = "--cpu-smoke" in sys.argv  # tiny shapes through Triton's interpreter, no timing: checks the script
+EXTEND_CAPS = (
+    [int(a) for a in sys.argv[sys.argv.index("--extend-caps") + 1 :]] if "--extend-caps" in sys.argv else []
+)
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -40,6 +44,7 @@ if importlib.util.find_spec("msgspec") is None:  # the GPU host has no msgspec: 
 
 from kernel_cases import make_paged_batch
 
+from minfer.kernels import attention_extend
 from minfer.kernels.attention_decode import decode_attention, decode_attention_reference
 from minfer.kernels.attention_extend import extend_attention, extend_attention_reference
 from minfer.kernels.rope_store import rope_store
@@ -178,6 +183,17 @@ def extend_case(model: str, prefix_lens: list[int], extend_lens: list[int], labe
         f"  extend {model:12s} {label:24s} bf16 {t16:8.1f} us  fp8 {t8:8.1f} us  fp8/bf16 {t8 / t16:.2f}",
         flush=True,
     )
+    default_cap = attention_extend.FP8_MAX_REGISTERS
+    for cap in EXTEND_CAPS:  # register caps for the fp8 launch (attention_extend.FP8_MAX_REGISTERS)
+        attention_extend.FP8_MAX_REGISTERS = cap
+        try:
+            capped = extend_attention(q, batch.k_pool, batch.v_pool, *idx, *run, **scales)
+            ok, err = close(capped, expected, 1e-2, 1e-2)
+            verdict(f"extend fp8 {model} {label} cap {cap}", ok, f"max err vs reference {err:.2e}")
+            tc = us(lambda: extend_attention(q, batch.k_pool, batch.v_pool, *idx, *run, **scales))
+            print(f"  extend fp8 cap {cap}: {tc:8.1f} us  fp8/bf16 {tc / t16:.2f}", flush=True)
+        finally:
+            attention_extend.FP8_MAX_REGISTERS = default_cap
 
 
 def main() -> None:

@@ -38,6 +38,11 @@ LONG_EXTEND = 1536  # tokens: a launch whose longest extend reaches this takes L
 # with the heaviest leaves the light ones to fill the last wave (the 32k prompt above: 426 vs
 # 418 TFLOP/s in the long configuration, 347 vs 350 in the short one: a wash there).
 HEAVY_FIRST = True
+# A register cap (Triton's maxnreg) for an fp8 pool's launches; None leaves them uncapped.
+# Compiled for sm_90 (scripts/kernel_registers.py), the short configuration takes 176 registers
+# over an fp8 pool, 2 programs per SM; 168 would fit 3 (16 B spilled). Untimed so far:
+# `scripts/gpu_fp8_check.py --extend-caps 168` times it before it becomes the default.
+FP8_MAX_REGISTERS: int | None = None
 
 
 def launch_config(max_extend_len: int, on_gpu: bool) -> tuple[int, int, int, int]:
@@ -212,6 +217,7 @@ def extend_attention(
     block_d = triton.next_power_of_2(head_dim)
     block_m, block_n, num_warps, num_stages = launch_config(max_extend_len, q.is_cuda)
     grid = (triton.cdiv(max_extend_len, block_m), batch, num_heads)
+    register_cap = {"maxnreg": FP8_MAX_REGISTERS} if k_scale is not None and FP8_MAX_REGISTERS else {}
     _extend_kernel[grid](
         q,
         k_pool,
@@ -243,6 +249,7 @@ def extend_attention(
         HEAVY_FIRST=HEAVY_FIRST,
         num_warps=num_warps,
         num_stages=num_stages,
+        **register_cap,
     )
     return out
 
