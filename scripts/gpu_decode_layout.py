@@ -42,10 +42,17 @@ DEFAULTS = (ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS)
 LAYOUTS = {"rows": 1, "contiguous": 2048}  # page size of the random layout
 
 
-def build(model: str, batch_size: int, page_size: int, seed: int = 0):
-    num_heads, num_kv_heads, head_dim = MODELS[model]
+def draw(batch_size: int, seed: int = 0) -> list[int]:
+    """Context lengths of the benchmark's busy band (~1024 on average)."""
     rng = random.Random(seed)
-    seq_lens = [rng.randint(512, 1536) for _ in range(batch_size)]
+    return [rng.randint(512, 1536) for _ in range(batch_size)]
+
+
+def build(model: str, seq_lens: list[int], page_size: int):
+    """q, {"bf16" | "fp8": (k pool, v pool, scale kwargs)}, the kernel's other arguments and the
+    K/V values read, for one decode step over `seq_lens` with the layout of `page_size`."""
+    num_heads, num_kv_heads, head_dim = MODELS[model]
+    batch_size = len(seq_lens)
     batch = make_paged_batch(
         [s - 1 for s in seq_lens],
         [1] * batch_size,
@@ -90,7 +97,7 @@ def table() -> None:
     for model in MODELS:
         for batch_size in BATCHES:
             for layout, page_size in LAYOUTS.items():
-                q, pools, common, values = build(model, batch_size, page_size)
+                q, pools, common, values = build(model, draw(batch_size), page_size)
                 for name, (k_pool, v_pool, scales) in pools.items():
                     width = 2 if name == "bf16" else 1
                     t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
@@ -106,7 +113,7 @@ def splits_study() -> None:
     """Decode time by explicit split count around the batch sizes where the default turns to
     one split, to see whether the choice (choose_num_splits) or something else costs there."""
     for batch_size in (16, 24, 32, 48, 64, 96):
-        q, pools, common, values = build("qwen3-0.6b", batch_size, 1)
+        q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
         for name, (k_pool, v_pool, scales) in pools.items():
             width = 2 if name == "bf16" else 1
             block_n = ad.FP8_BLOCK_N if scales else ad.BLOCK_N
@@ -130,7 +137,7 @@ def register_sweep() -> None:
     registers per thread (two programs of 4 warps per SM); a cap trades spills for programs."""
     caps = {4: (None, 168, 128, 96), 8: (None, 128, 96)}
     for batch_size in (256, 64, 16):
-        q, pools, common, values = build("qwen3-0.6b", batch_size, 1)
+        q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
         k_pool, v_pool, scales = pools["fp8"]
         results = []
         for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
@@ -161,7 +168,7 @@ def register_sweep() -> None:
 
 
 def once(dtype: str, batch_size: int) -> None:
-    q, pools, common, _ = build("qwen3-0.6b", batch_size, 1)
+    q, pools, common, _ = build("qwen3-0.6b", draw(batch_size), 1)
     k_pool, v_pool, scales = pools[dtype]
     for _ in range(3):
         ad.decode_attention(q, k_pool, v_pool, *common, **scales)
