@@ -564,6 +564,8 @@ def qwen3_sweep() -> None:
         (64, 32, 4, 3),
         (128, 128, 8, 2),
         (64, 128, 4, 2),
+        (64, 64, 4, 5),  # 5 stages: one more K/V buffer in shared memory (scripts/kernel_registers.py)
+        (64, 32, 4, 5),
     ]:
         force_extend_config(config)
         us = bench_us(

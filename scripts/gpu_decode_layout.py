@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py            # the timing table
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --splits    # split counts at 16-96 running
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --registers # fp8 launch constants, register cap
+    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --pipeline  # stage counts that buffer 2-4 deep
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --once fp8  # a few launches, for ncu
 
 The engine's pool has page size 1, and decode appends one slot per request per step, so a
@@ -167,6 +168,65 @@ def register_sweep() -> None:
         torch.cuda.empty_cache()
 
 
+# (BLOCK_N, warps, stages, register cap) per pool for --pipeline. With Triton 3.6 the K/V loads
+# (gathered through the page table, one stage behind the slot load) get one shared-memory buffer
+# for 2-4 stages: the next block's copy is issued only after this block's products, so a
+# program never computes while its loads are in flight. 5-6 stages give two buffers, 7 three,
+# 9 four (scripts/kernel_registers.py shows the shared memory; the first row is the default).
+PIPELINES = {
+    "bf16": [
+        (64, 4, 3, None),
+        (64, 4, 5, None),
+        (32, 4, 5, None),
+        (32, 4, 7, None),
+        (64, 8, 5, None),
+        (32, 4, 3, None),
+    ],
+    "fp8": [
+        (128, 4, 3, 168),
+        (128, 4, 5, 168),
+        (64, 4, 5, None),
+        (64, 4, 5, 128),
+        (64, 4, 7, None),
+        (64, 4, 3, 128),
+        (32, 4, 5, None),
+        (32, 4, 7, None),
+        (32, 4, 9, None),
+        (64, 8, 5, 128),
+    ],
+}
+
+
+def set_launch(name: str, config) -> None:
+    block_n, ad.NUM_WARPS, ad.NUM_STAGES, cap = config
+    if name == "fp8":
+        ad.FP8_BLOCK_N, ad.FP8_MAX_REGISTERS = block_n, cap
+    else:
+        ad.BLOCK_N = block_n
+
+
+def pipeline_sweep() -> None:
+    """Each pool's launch with deeper load pipelines (PIPELINES), graph-timed at 16-256 running."""
+    saved = (ad.BLOCK_N, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS)
+    for batch_size in BATCHES:
+        q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
+        for name, (k_pool, v_pool, scales) in pools.items():
+            width = 2 if name == "bf16" else 1
+            cells = []
+            for config in PIPELINES[name]:
+                set_launch(name, config)
+                try:
+                    t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
+                except Exception as exc:  # out of shared memory for this configuration
+                    cells.append(f"{config}: {type(exc).__name__}")
+                    continue
+                cells.append(f"{config}: {t:6.1f} us {values * width / t / 1e6:4.2f} TB/s")
+            ad.BLOCK_N, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS = saved
+            print(f"B={batch_size:3d} {name}\n    " + "\n    ".join(cells), flush=True)
+        del pools
+        torch.cuda.empty_cache()
+
+
 def once(dtype: str, batch_size: int) -> None:
     q, pools, common, _ = build("qwen3-0.6b", draw(batch_size), 1)
     k_pool, v_pool, scales = pools[dtype]
@@ -181,8 +241,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--splits", action="store_true", help="time split counts at 16-96 running")
     parser.add_argument("--registers", action="store_true", help="sweep the fp8 launch and its register cap")
+    parser.add_argument("--pipeline", action="store_true", help="time deeper load pipelines for both pools")
     args = parser.parse_args()
-    if args.registers:
+    if args.pipeline:
+        pipeline_sweep()
+    elif args.registers:
         register_sweep()
     elif args.splits:
         splits_study()
