@@ -135,7 +135,8 @@ def cases():
                 BLOCK_D=128,
                 HEAVY_FIRST=ae.HEAVY_FIRST,
             )
-            yield f"extend {pool:7s} {config_name}", ae._extend_kernel, pool, constexprs, warps, stages, None
+            cap = ae.SHORT_REGISTER_CAPS["fp8" if scaled else "bf16"] if config_name == "short" else None
+            yield f"extend {pool:7s} {config_name}", ae._extend_kernel, pool, constexprs, warps, stages, cap
 
 
 def main() -> None:

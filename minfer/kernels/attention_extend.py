@@ -38,18 +38,25 @@ LONG_EXTEND = 1536  # tokens: a launch whose longest extend reaches this takes L
 # with the heaviest leaves the light ones to fill the last wave (the 32k prompt above: 426 vs
 # 418 TFLOP/s in the long configuration, 347 vs 350 in the short one: a wash there).
 HEAVY_FIRST = True
-# A register cap (Triton's maxnreg) for an fp8 pool's launches; None leaves them uncapped.
-# Compiled for sm_90 (scripts/kernel_registers.py), the short configuration takes 176 registers
-# over an fp8 pool, 2 programs per SM; 168 would fit 3 (16 B spilled). Untimed so far:
-# `scripts/gpu_fp8_check.py --extend-caps 168` times it before it becomes the default.
-FP8_MAX_REGISTERS: int | None = None
+# Register caps (Triton's maxnreg) of the short configuration by pool; None leaves it uncapped.
+# Over an fp8 pool it takes 176 registers, two programs per SM (scripts/kernel_registers.py);
+# capped at 168, three fit (16 B spilled): on an H200, 4 x (1024 + 1024 new), 232 -> 209 us
+# for Qwen3-0.6B heads and 419 -> 369 us for Llama-8B heads (scripts/gpu_fp8_check.py
+# --extend-caps 168). The long configuration is limited to one program per SM by its shared
+# memory, so no cap could buy it a second.
+SHORT_REGISTER_CAPS: dict[str, int | None] = {"bf16": None, "fp8": 168}
 
 
-def launch_config(max_extend_len: int, on_gpu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a launch whose longest extend is given."""
+def launch_config(
+    max_extend_len: int, on_gpu: bool, fp8: bool = False
+) -> tuple[int, int, int, int, int | None]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, register cap) for a launch whose longest
+    extend is given, over an fp8 pool or not."""
     if not on_gpu:
-        return 16, 16, 4, SHORT_CONFIG[3]
-    return LONG_CONFIG if max_extend_len >= LONG_EXTEND else SHORT_CONFIG
+        return 16, 16, 4, SHORT_CONFIG[3], None
+    if max_extend_len >= LONG_EXTEND:
+        return *LONG_CONFIG, None
+    return *SHORT_CONFIG, SHORT_REGISTER_CAPS["fp8" if fp8 else "bf16"]
 
 
 @triton.jit
@@ -215,9 +222,11 @@ def extend_attention(
     if num_tokens == 0 or batch == 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
-    block_m, block_n, num_warps, num_stages = launch_config(max_extend_len, q.is_cuda)
+    block_m, block_n, num_warps, num_stages, cap = launch_config(
+        max_extend_len, q.is_cuda, k_scale is not None
+    )
     grid = (triton.cdiv(max_extend_len, block_m), batch, num_heads)
-    register_cap = {"maxnreg": FP8_MAX_REGISTERS} if k_scale is not None and FP8_MAX_REGISTERS else {}
+    register_cap = {"maxnreg": cap} if cap else {}
     _extend_kernel[grid](
         q,
         k_pool,
