@@ -61,17 +61,23 @@ rows: list[dict] = []
 failures: list[str] = []
 
 
-_EXTEND_DEFAULTS = (attention_extend.SHORT_CONFIG, attention_extend.LONG_CONFIG, attention_extend.HEAVY_FIRST)
+_EXTEND_DEFAULTS = (
+    dict(attention_extend.SHORT_CONFIGS),
+    attention_extend.LONG_CONFIG,
+    attention_extend.HEAVY_FIRST,
+)
 
 
 def force_extend_config(config: tuple | None) -> None:
-    """Make every extend launch take `config` ((BLOCK_M, BLOCK_N, warps, stages[, heavy first]))
-    whatever its length; None restores the module's choice."""
+    """Make every extend launch take `config` ((BLOCK_M, BLOCK_N, warps, stages[, heavy first]),
+    uncapped) whatever its length and pool; None restores the module's choice."""
     short, long, heavy = _EXTEND_DEFAULTS
+    short = dict(short)
     if config is not None:
-        short = long = tuple(config[:4])
+        long = (*config[:4], None)
+        short = dict.fromkeys(short, long)
         heavy = config[4] if len(config) > 4 else heavy
-    attention_extend.SHORT_CONFIG, attention_extend.LONG_CONFIG, attention_extend.HEAVY_FIRST = (
+    attention_extend.SHORT_CONFIGS, attention_extend.LONG_CONFIG, attention_extend.HEAVY_FIRST = (
         short,
         long,
         heavy,
@@ -606,7 +612,7 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
         f"us per chunk, TFLOP/s of all chunks (floor 790) ==",
         flush=True,
     )
-    long = attention_extend.LONG_CONFIG
+    long = attention_extend.LONG_CONFIG[:4]
     configs = [long + (True,), long + (False,)] + [
         (bm, bn, w, st, True)
         for bm, bn, w, st in [
@@ -648,10 +654,10 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
         args, flop = extend_problem("llama-8b", [0] * count, [extend] * count, extend)
         line = []
         for name, config in (
-            ("short", attention_extend.SHORT_CONFIG),
+            ("short", attention_extend.SHORT_CONFIGS["bf16"]),
             ("long", attention_extend.LONG_CONFIG),
         ):
-            force_extend_config(config)
+            force_extend_config(config[:4])
             us = bench_us(lambda: extend_attention(*args))
             line.append(f"{name} {config}: {us:7.1f} us {flop / us / 1e6:6.1f} TFLOP/s")
         force_extend_config(None)

@@ -66,16 +66,15 @@ def problems():
 
 
 def main() -> None:
-    default = (ae.SHORT_CONFIG, dict(ae.SHORT_REGISTER_CAPS))
+    default = dict(ae.SHORT_CONFIGS)
     for label, q, pools, args, flop in problems():
         for name, (k_pool, v_pool, scales) in pools.items():
             print(f"== {label}, {name} pool", flush=True)
-            ae.SHORT_CONFIG, ae.SHORT_REGISTER_CAPS = default[0], dict(default[1])
+            ae.SHORT_CONFIGS = dict(default)
             expected = ae.extend_attention(q, k_pool, v_pool, *args, **scales)
             for config in CONFIGS:
                 for cap in CAPS:
-                    ae.SHORT_CONFIG = config
-                    ae.SHORT_REGISTER_CAPS[name] = cap
+                    ae.SHORT_CONFIGS[name] = (*config, cap)
                     run = lambda: ae.extend_attention(q, k_pool, v_pool, *args, **scales)  # noqa: E731
                     try:
                         err = (run().float() - expected.float()).abs().max().item()
@@ -83,14 +82,14 @@ def main() -> None:
                     except Exception as exc:  # out of shared memory or registers
                         print(f"  {config} cap {cap}: {type(exc).__name__}", flush=True)
                         continue
-                    mark = "  <- default" if (config, cap) == (default[0], default[1][name]) else ""
+                    mark = "  <- default" if (*config, cap) == default[name] else ""
                     bad = "  MISMATCH" if err > 2e-2 else ""
                     print(
                         f"  {config} cap {str(cap):4s}: {us:7.1f} us {flop / us / 1e6:6.1f} TFLOP/s "
                         f"(max diff {err:.1e}){bad}{mark}",
                         flush=True,
                     )
-            ae.SHORT_CONFIG, ae.SHORT_REGISTER_CAPS = default[0], dict(default[1])
+            ae.SHORT_CONFIGS = dict(default)
         del pools
         torch.cuda.empty_cache()
 

@@ -183,10 +183,10 @@ def extend_case(model: str, prefix_lens: list[int], extend_lens: list[int], labe
         f"  extend {model:12s} {label:24s} bf16 {t16:8.1f} us  fp8 {t8:8.1f} us  fp8/bf16 {t8 / t16:.2f}",
         flush=True,
     )
-    caps = attention_extend.SHORT_REGISTER_CAPS
-    default_cap = caps["fp8"]
-    for cap in EXTEND_CAPS:  # register caps for the fp8 launch (attention_extend.SHORT_REGISTER_CAPS)
-        caps["fp8"] = cap
+    configs = attention_extend.SHORT_CONFIGS
+    default = configs["fp8"]
+    for cap in EXTEND_CAPS:  # register caps for the fp8 launch (the last of SHORT_CONFIGS["fp8"])
+        configs["fp8"] = (*default[:4], cap)
         try:
             capped = extend_attention(q, batch.k_pool, batch.v_pool, *idx, *run, **scales)
             ok, err = close(capped, expected, 1e-2, 1e-2)
@@ -194,7 +194,7 @@ def extend_case(model: str, prefix_lens: list[int], extend_lens: list[int], labe
             tc = us(lambda: extend_attention(q, batch.k_pool, batch.v_pool, *idx, *run, **scales))
             print(f"  extend fp8 cap {cap}: {tc:8.1f} us  fp8/bf16 {tc / t16:.2f}", flush=True)
         finally:
-            caps["fp8"] = default_cap
+            configs["fp8"] = default
 
 
 def main() -> None:

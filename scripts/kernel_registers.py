@@ -121,11 +121,12 @@ def cases():
             )
             engine_cap = ad.FP8_MAX_REGISTERS if scaled else None
             yield label, ad._decode_split_kernel, pool, constexprs, ad.NUM_WARPS, ad.NUM_STAGES, engine_cap
-    for config_name, (block_m, block_n, warps, stages) in (
-        ("short", ae.SHORT_CONFIG),
-        ("long", ae.LONG_CONFIG),
-    ):
-        for pool, scaled in (("bf16", False), ("fp8e4nv", True)):
+    for pool, scaled in (("bf16", False), ("fp8e4nv", True)):
+        for config_name, config in (
+            ("short", ae.SHORT_CONFIGS["fp8" if scaled else "bf16"]),
+            ("long", ae.LONG_CONFIG),
+        ):
+            block_m, block_n, warps, stages, cap = config
             constexprs = dict(
                 GROUP=4,
                 HEAD_DIM=128,
@@ -135,8 +136,8 @@ def cases():
                 BLOCK_D=128,
                 HEAVY_FIRST=ae.HEAVY_FIRST,
             )
-            cap = ae.SHORT_REGISTER_CAPS["fp8" if scaled else "bf16"] if config_name == "short" else None
-            yield f"extend {pool:7s} {config_name}", ae._extend_kernel, pool, constexprs, warps, stages, cap
+            label = f"extend {pool:7s} {config_name} {block_m}x{block_n}"
+            yield label, ae._extend_kernel, pool, constexprs, warps, stages, cap
 
 
 def main() -> None:

@@ -1,6 +1,9 @@
 """Where does the offline bench's prefill time vary? Runs `minfer bench offline` in-process and
 records every step's wall time, every garbage-collector pause and the CUDA allocator's segment
 allocations during the timed run (the steps after the bench's GC freeze, which precedes it).
+On a GPU also, per prefill pass, the CPU time of `Engine.forward_batch` (building the inputs
+and launching every kernel) and the device's span from the pass's first to its last queued
+work (CUDA events): a span close to the CPU time means the pass waited on its launches.
 Usage, from the repository root: PYTHONPATH=$PWD python3 scripts/prefill_probe.py qwen3-0.6b [bench args]"""
 
 from __future__ import annotations
@@ -46,6 +49,25 @@ def freeze_and_mark():
 
 
 engine.freeze_long_lived_objects = freeze_and_mark
+passes: list[tuple[str, float, object, object]] = []  # phase, CPU seconds, start / end events
+_forward = engine.Engine.forward_batch
+
+
+def timed_forward(self, batch):
+    start = time.perf_counter()
+    first = torch.cuda.Event(enable_timing=True) if torch.cuda.is_available() else None
+    if first is not None:
+        first.record()
+    result = _forward(self, batch)
+    last = None
+    if first is not None:
+        last = torch.cuda.Event(enable_timing=True)
+        last.record()
+    passes.append((batch.phase.value, time.perf_counter() - start, first, last))
+    return result
+
+
+engine.Engine.forward_batch = timed_forward
 Scheduler._count_step = count_step
 gc.callbacks.append(on_gc)
 main(["bench", "offline", *sys.argv[1:]])
@@ -64,6 +86,12 @@ print(
     len(timed_pauses),
 )
 if torch.cuda.is_available():
+    torch.cuda.synchronize()
+    mine = [(c, a, b) for p, c, a, b in passes[-len(timed) :] if p == Phase.PREFILL.value]
+    print(
+        "prefill passes (CPU ms in forward_batch / device span ms):",
+        [f"{c * 1e3:.1f}/{a.elapsed_time(b):.1f}" for c, a, b in mine],
+    )
     print(
         "cuda segments allocated in the timed run:",
         torch.cuda.memory_stats().get("segment.all.allocated", 0) - stats.get("alloc_before", 0),

@@ -21,30 +21,33 @@ import triton.language as tl
 from minfer.kernels.common import attend_blocks, fp8_pool_operand, gather_rows
 
 LOG2E = 1.4426950408889634
-# GPU launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen per launch by the
-# longest extend. Short extends (prompts of a few hundred tokens packed into one chunk) waste
-# less on padding with 64 x 64 tiles: on an H200 in bf16 (Llama-8B heads; prefill of 2048 plus
-# 1024 new tokens over 1024 cached) 223 us, 270 TFLOP/s, the next best of seven configurations
-# 249 us. A long prompt's chunks are compute-bound, where 128 x 128 tiles with 8 warps and 3
-# stages feed the tensor cores best: one 32k-token prompt in 8k chunks at 426 TFLOP/s against
-# 350 for the short configuration, best of 12 (scripts/gpu_check.py --extend-long). On 8192
-# tokens of equal prompts the two tie at 1024-token prompts and the long one leads from 1536
-# (283 vs 274 TFLOP/s; 355 vs 318 at 4096); at 512 the short one leads (189 vs 177).
+# GPU launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages, register cap: Triton's
+# maxnreg, None for none), chosen per launch by the longest extend and the pool's dtype.
+#
+# Short extends (prompts of a few hundred tokens packed into one chunk: the offline workload's
+# prefill) waste less on padding with 64-row tiles. On an H200 (scripts/gpu_extend_short.py:
+# Qwen3-0.6B heads, 8192 tokens of 13 packed prompts / Llama-8B heads, 4 x (1024 + 1024 new)):
+#  - bf16: 64 x 32 tiles with a 128-register cap, 123 / 321 us, against 138 / 346 for the 64 x 64
+#    tiles used before; the cap lets four programs share an SM (uncapped 64 x 32: three, 134 /
+#    353 us; 64 x 64: two). 18 configurations x caps timed.
+#  - fp8: 64 x 64 tiles capped at 168 registers, 134 / 367 us (uncapped: 176 registers, two
+#    programs per SM, 151 / 423 us); 64 x 32 tiles were slower over fp8 at every cap.
+# A long prompt's chunks are compute-bound, where 128 x 128 tiles with 8 warps and 3 stages
+# feed the tensor cores best: one 32k-token prompt in 8k chunks at 426 TFLOP/s against 350 for
+# 64 x 64 tiles, best of 12 (scripts/gpu_check.py --extend-long, which also times where the
+# long one starts to lead: 1536-token prompts, measured against the 64 x 64 tiles). Its shared
+# memory limits it to one program per SM, so no register cap could buy it a second.
 # The CPU interpreter uses 16 x 16 blocks: it pays for every padded element.
-SHORT_CONFIG = (64, 64, 4, 2)
-LONG_CONFIG = (128, 128, 8, 3)
+SHORT_CONFIGS: dict[str, tuple[int, int, int, int, int | None]] = {
+    "bf16": (64, 32, 4, 2, 128),
+    "fp8": (64, 64, 4, 2, 168),
+}
+LONG_CONFIG: tuple[int, int, int, int, int | None] = (128, 128, 8, 3, None)
 LONG_EXTEND = 1536  # tokens: a launch whose longest extend reaches this takes LONG_CONFIG
 # Query blocks run last-first: under the causal mask a later block sees more keys, so starting
 # with the heaviest leaves the light ones to fill the last wave (the 32k prompt above: 426 vs
 # 418 TFLOP/s in the long configuration, 347 vs 350 in the short one: a wash there).
 HEAVY_FIRST = True
-# Register caps (Triton's maxnreg) of the short configuration by pool; None leaves it uncapped.
-# Over an fp8 pool it takes 176 registers, two programs per SM (scripts/kernel_registers.py);
-# capped at 168, three fit (16 B spilled): on an H200, 4 x (1024 + 1024 new), 232 -> 209 us
-# for Qwen3-0.6B heads and 419 -> 369 us for Llama-8B heads (scripts/gpu_fp8_check.py
-# --extend-caps 168). The long configuration is limited to one program per SM by its shared
-# memory, so no cap could buy it a second.
-SHORT_REGISTER_CAPS: dict[str, int | None] = {"bf16": None, "fp8": 168}
 
 
 def launch_config(
@@ -53,10 +56,10 @@ def launch_config(
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, register cap) for a launch whose longest
     extend is given, over an fp8 pool or not."""
     if not on_gpu:
-        return 16, 16, 4, SHORT_CONFIG[3], None
+        return 16, 16, 4, 2, None
     if max_extend_len >= LONG_EXTEND:
-        return *LONG_CONFIG, None
-    return *SHORT_CONFIG, SHORT_REGISTER_CAPS["fp8" if fp8 else "bf16"]
+        return LONG_CONFIG
+    return SHORT_CONFIGS["fp8" if fp8 else "bf16"]
 
 
 @triton.jit

@@ -194,13 +194,12 @@ def test_extend_launch_config_follows_the_longest_extend():
     """Long prompts' chunks get the large tiles, packed short prompts the small ones; the CPU
     interpreter always runs 16 x 16 blocks."""
     long_from = attention_extend.LONG_EXTEND
-    assert attention_extend.launch_config(long_from - 1, True)[:4] == attention_extend.SHORT_CONFIG
-    assert attention_extend.launch_config(long_from, True)[:4] == attention_extend.LONG_CONFIG
+    assert attention_extend.launch_config(long_from - 1, True) == attention_extend.SHORT_CONFIGS["bf16"]
     assert (
-        attention_extend.launch_config(long_from - 1, True, fp8=True)[4]
-        == attention_extend.SHORT_REGISTER_CAPS["fp8"]
+        attention_extend.launch_config(long_from - 1, True, fp8=True) == attention_extend.SHORT_CONFIGS["fp8"]
     )
-    assert attention_extend.launch_config(long_from, True, fp8=True)[4] is None
+    assert attention_extend.launch_config(long_from, True) == attention_extend.LONG_CONFIG
+    assert attention_extend.launch_config(long_from, True, fp8=True) == attention_extend.LONG_CONFIG
     assert attention_extend.launch_config(long_from, False)[:2] == (16, 16)
 
 
