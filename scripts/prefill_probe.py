@@ -8,7 +8,10 @@ Usage, from the repository root: PYTHONPATH=$PWD python3 scripts/prefill_probe.p
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import os
+import pstats
 import sys
 import time
 
@@ -53,7 +56,18 @@ passes: list[tuple[str, float, object, object]] = []  # phase, CPU seconds, star
 _forward = engine.Engine.forward_batch
 
 
+# MINFER_PROBE_CPROFILE=1: also profile the Python of every prefill pass (cProfile; it slows
+# them, so the times above are then not the bench's) and print the functions that cost most.
+profiler = cProfile.Profile() if os.environ.get("MINFER_PROBE_CPROFILE") == "1" else None
+
+
 def timed_forward(self, batch):
+    if profiler is not None and batch.phase == Phase.PREFILL:
+        profiler.enable()
+        try:
+            return _forward(self, batch)
+        finally:
+            profiler.disable()
     start = time.perf_counter()
     first = torch.cuda.Event(enable_timing=True) if torch.cuda.is_available() else None
     if first is not None:
@@ -96,3 +110,6 @@ if torch.cuda.is_available():
         "cuda segments allocated in the timed run:",
         torch.cuda.memory_stats().get("segment.all.allocated", 0) - stats.get("alloc_before", 0),
     )
+if profiler is not None:
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
