@@ -56,13 +56,14 @@ passes: list[tuple[str, float, object, object]] = []  # phase, CPU seconds, star
 _forward = engine.Engine.forward_batch
 
 
-# MINFER_PROBE_CPROFILE=1: also profile the Python of every prefill pass (cProfile; it slows
-# them, so the times above are then not the bench's) and print the functions that cost most.
+# MINFER_PROBE_CPROFILE=1: also profile the Python of the timed run's prefill passes (cProfile;
+# it slows them, so the times above are then not the bench's; the warm-up's passes, which
+# compile kernels, are left out) and print the functions that cost most.
 profiler = cProfile.Profile() if os.environ.get("MINFER_PROBE_CPROFILE") == "1" else None
 
 
 def timed_forward(self, batch):
-    if profiler is not None and batch.phase == Phase.PREFILL:
+    if profiler is not None and batch.phase == Phase.PREFILL and "first_timed" in stats:
         profiler.enable()
         try:
             return _forward(self, batch)
