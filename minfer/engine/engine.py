@@ -20,7 +20,7 @@ from minfer.engine.logprobs import LogprobTensors, reduce_logprobs, rows_of
 from minfer.engine.memory import MemoryBudget, plan_memory
 from minfer.engine.sample_step import sample_step
 from minfer.kvcache.host_pool import HostKVPool, host_available_bytes
-from minfer.kvcache.page_table import PageTable
+from minfer.kvcache.page_table import PageTable, runs_of_positions
 from minfer.kvcache.pool import KVPool
 from minfer.models.llama import head_dim_of
 from minfer.models.loader import (
@@ -235,15 +235,13 @@ class Engine:
         is_decode = batch.phase == Phase.DECODE
         prefix_lens = [r.cached_len for r in reqs]
         table_idx = [r.table_idx for r in reqs]
+        # One host-to-device copy for the three per-token vectors (row, position, slot).
         if is_decode:
-            positions, rows = prefix_lens, table_idx
+            per_token = to_device([table_idx, prefix_lens, batch.out_loc], torch.int64, self.device)
         else:
-            positions, rows = [], []
-            for p, n, row in zip(prefix_lens, batch.extend_lens, table_idx):
-                positions.extend(range(p, p + n))
-                rows.extend([row] * n)
-        # One host-to-device copy for the three per-token vectors.
-        per_token = to_device([rows, positions, batch.out_loc], torch.int64, self.device)
+            rows, positions = runs_of_positions(table_idx, prefix_lens, batch.extend_lens)
+            slots = torch.as_tensor(batch.out_loc, dtype=torch.int64)
+            per_token = to_device(torch.stack([rows, positions, slots]), torch.int64, self.device)
         positions_d, out_loc = per_token[1], per_token[2]
         input_ids = self.page_table.gather_tokens(per_token[0], positions_d)
         sampled_rows = [i for i, s in enumerate(batch.sample_mask) if s]

@@ -11,7 +11,7 @@ from minfer.core import Req
 from minfer.kvcache.allocator import OutOfSlotsError, PageAllocator
 from minfer.kvcache.host_tier import HostTier
 from minfer.kvcache.match_cost import match_cost
-from minfer.kvcache.page_table import PageTable
+from minfer.kvcache.page_table import PageTable, runs_of_positions
 from minfer.kvcache.prefix_cache import KVInvariantError, NaiveCache, PrefixCache
 from minfer.kvcache.tiered_radix import TieredRadixCache
 
@@ -168,10 +168,9 @@ class KVManager:
         if not self.reserve_pages(total_pages):
             raise OutOfSlotsError(f"{total_pages} pages needed, {self.allocator.num_free_pages} free")
         pages = self.allocator.alloc(total_pages)  # one call; handed out to the requests in order
-        rows, positions = [], []
-        for req, n in zip(reqs, extend_lens):
-            rows.extend([req.table_idx] * n)
-            positions.extend(range(req.cached_len, req.cached_len + n))
+        rows, positions = runs_of_positions(
+            [r.table_idx for r in reqs], [r.cached_len for r in reqs], extend_lens
+        )
         if ps == 1:  # a page is a slot
             slots = pages
         else:
