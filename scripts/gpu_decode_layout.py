@@ -193,6 +193,8 @@ PIPELINES = {
         (32, 4, 7, None),
         (32, 4, 9, None),
         (64, 8, 5, 128),
+        (32, 4, 3, 96),  # 96 registers, no spill: 5 programs per SM (untimed before)
+        (32, 4, 5, 96),
     ],
 }
 
