@@ -49,6 +49,21 @@ def draw(batch_size: int, seed: int = 0) -> list[int]:
     return [rng.randint(512, 1536) for _ in range(batch_size)]
 
 
+def both_pools(batch) -> dict:
+    """{"bf16" | "fp8": (k pool, v pool, scale kwargs)} of a bf16 PagedBatch: its own pools, and
+    those quantized with per-head scales (amax / 448, the format KVPool stores)."""
+    k_scale = batch.k_pool.float().abs().amax(dim=(0, 2)) / FP8_MAX
+    v_scale = batch.v_pool.float().abs().amax(dim=(0, 2)) / FP8_MAX
+    return {
+        "bf16": (batch.k_pool, batch.v_pool, {}),
+        "fp8": (
+            quantize_fp8(batch.k_pool, k_scale),
+            quantize_fp8(batch.v_pool, v_scale),
+            {"k_scale": k_scale, "v_scale": v_scale},
+        ),
+    }
+
+
 def build(model: str, seq_lens: list[int], page_size: int):
     """q, {"bf16" | "fp8": (k pool, v pool, scale kwargs)}, the kernel's other arguments and the
     K/V values read, for one decode step over `seq_lens` with the layout of `page_size`."""
@@ -66,16 +81,7 @@ def build(model: str, seq_lens: list[int], page_size: int):
         4096,
     )
     q = torch.randn((batch_size, num_heads, head_dim), device=DEVICE, dtype=DTYPE)
-    k_scale = batch.k_pool.float().abs().amax(dim=(0, 2)) / FP8_MAX
-    v_scale = batch.v_pool.float().abs().amax(dim=(0, 2)) / FP8_MAX
-    pools = {
-        "bf16": (batch.k_pool, batch.v_pool, {}),
-        "fp8": (
-            quantize_fp8(batch.k_pool, k_scale),
-            quantize_fp8(batch.v_pool, v_scale),
-            {"k_scale": k_scale, "v_scale": v_scale},
-        ),
-    }
+    pools = both_pools(batch)
     common = (batch.page_table, batch.table_idx, batch.seq_lens, head_dim**-0.5)
     values = sum(seq_lens) * num_kv_heads * head_dim * 2  # K and V
     return q, pools, common, values

@@ -19,12 +19,12 @@ import torch
 import triton.testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "kernels")]
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__)), os.path.join(ROOT, "tests", "kernels")]
 
+from gpu_decode_layout import both_pools  # noqa: E402
 from kernel_cases import make_paged_batch  # noqa: E402
 
 from minfer.kernels import attention_extend as ae  # noqa: E402
-from minfer.kvcache.pool import FP8_MAX, quantize_fp8  # noqa: E402
 
 DEVICE, DTYPE = torch.device("cuda"), torch.bfloat16
 CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 4, 5), (32, 64, 4, 2)]
@@ -50,16 +50,7 @@ def problems():
             prefix, extend, kv_heads, 128, 1, DTYPE, DEVICE, torch.Generator().manual_seed(0)
         )
         q = torch.randn((sum(extend), heads, 128), device=DEVICE, dtype=DTYPE)
-        k_scale = batch.k_pool.float().abs().amax(dim=(0, 2)) / FP8_MAX
-        v_scale = batch.v_pool.float().abs().amax(dim=(0, 2)) / FP8_MAX
-        pools = {
-            "bf16": (batch.k_pool, batch.v_pool, {}),
-            "fp8": (
-                quantize_fp8(batch.k_pool, k_scale),
-                quantize_fp8(batch.v_pool, v_scale),
-                {"k_scale": k_scale, "v_scale": v_scale},
-            ),
-        }
+        pools = both_pools(batch)
         index = (batch.page_table, batch.table_idx, batch.prefix_lens, batch.seq_lens, batch.cu_extend_lens)
         flop = sum(4 * n * (p + (n + 1) / 2) * heads * 128 for p, n in zip(prefix, extend))
         yield label, q, pools, (*index, max(extend), 128**-0.5), flop
