@@ -69,8 +69,9 @@ class EngineConfig:
     )
     cpu_threads: int | None = _opt(
         None,
-        "CPU only: torch threads of each process that runs the model (default: OMP_NUM_THREADS when set, "
-        "else the cores in the process's affinity, os.sched_getaffinity, divided among a node's TP ranks)",
+        "torch threads of each process that runs the model: on CPU the default is OMP_NUM_THREADS when set, "
+        "else the cores in the process's affinity, os.sched_getaffinity, divided among a node's TP ranks; "
+        "on a GPU (where the CPU only keeps the books) 1",
     )
     trust_remote_code: bool = _opt(
         False,

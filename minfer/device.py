@@ -39,6 +39,21 @@ def cpu_thread_count(requested: int | None, ranks_per_node: int = 1) -> int:
     return max(1, cores // ranks_per_node)
 
 
+def set_gpu_host_threads(requested: int | None) -> int:
+    """Set torch's intra-op threads for a process that runs the model on a GPU: 1 unless asked.
+
+    Such a process does only bookkeeping with CPU tensors (per-token index vectors of a few
+    thousand entries), which one thread does in microseconds. With the default (one thread per
+    core) an op may wake the whole OpenMP pool, and on a shared host whose cores are busy
+    that wait is milliseconds: on the H200 host a prefill pass's two 8192-entry
+    `repeat_interleave`s took 1.5 ms each under cProfile (10 us on one thread here), while
+    the GPU waited on the pass's launches (docs/PERFORMANCE.md, section 14)."""
+    threads = requested or 1
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return threads
+
+
 def set_cpu_threads(requested: int | None, ranks_per_node: int = 1) -> int:
     """Set torch's intra-op threads for a process that runs the model on CPU; returns the count."""
     threads = cpu_thread_count(requested, ranks_per_node)

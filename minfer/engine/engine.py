@@ -14,7 +14,7 @@ import torch
 from minfer.attention.base import ForwardContext, build_metadata
 from minfer.config import EngineConfig, default_chunked_prefill_size, default_max_running_requests
 from minfer.core import Batch, LogprobRow, Phase
-from minfer.device import set_cpu_threads, to_device
+from minfer.device import set_cpu_threads, set_gpu_host_threads, to_device
 from minfer.distributed.parallel import SINGLE, TPGroup
 from minfer.engine.logprobs import LogprobTensors, reduce_logprobs, rows_of
 from minfer.engine.memory import MemoryBudget, plan_memory
@@ -151,6 +151,8 @@ class Engine:
             config.chunked_prefill_size = default_chunked_prefill_size(self.device.type, config.quantization)
         if self.device.type == "cpu" and tp.size == 1:  # TP ranks set theirs on joining (parallel.py)
             set_cpu_threads(config.cpu_threads)
+        elif self.device.type == "cuda":
+            set_gpu_host_threads(config.cpu_threads)
         self.source = model_source(config)
         self.hf_config = load_hf_config(self.source)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
