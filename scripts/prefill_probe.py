@@ -43,6 +43,21 @@ def on_gc(phase, info):
 
 stats: dict = {}
 _freeze = engine.freeze_long_lived_objects
+compiles: list[tuple[int, str]] = []  # (step, kernel and specialization) of every Triton JIT compile
+
+
+def on_compile(**kwargs):
+    """Triton's post-compile hook: a kernel specialization compiled (or loaded from the disk
+    cache) after the warm-up is paid inside the timed run."""
+    compiles.append((len(steps), str(kwargs.get("repr", "?"))[:400]))
+
+
+try:
+    import triton
+
+    triton.knobs.runtime.jit_post_compile_hook = on_compile
+except (ImportError, AttributeError):  # no Triton, or one without knobs
+    pass
 
 
 def freeze_and_mark():
@@ -111,6 +126,10 @@ if torch.cuda.is_available():
         "cuda segments allocated in the timed run:",
         torch.cuda.memory_stats().get("segment.all.allocated", 0) - stats.get("alloc_before", 0),
     )
+timed_compiles = [c for c in compiles if c[0] >= stats.get("first_timed", 0)]
+print(f"Triton compiles in the timed run: {len(timed_compiles)} (of {len(compiles)})")
+for step, what in timed_compiles:
+    print(f"  step {step}: {what}")
 if profiler is not None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
