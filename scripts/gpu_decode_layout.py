@@ -4,7 +4,6 @@
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --splits    # split counts at 16-96 running
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --registers # fp8 launch constants, register cap
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --pipeline  # stage counts that buffer 2-4 deep
-    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --widen     # fp8: V widened before its layout change
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --once fp8  # a few launches, for ncu
 
 The engine's pool has page size 1, and decode appends one slot per request per step, so a
@@ -236,59 +235,6 @@ def pipeline_sweep() -> None:
         torch.cuda.empty_cache()
 
 
-# (BLOCK_N, warps, stages, register cap, widen V first) for --widen: the first row is the engine's
-# launch before the widening existed. Registers (scripts/kernel_registers.py, Triton 3.6) with
-# the widening: 128 x 4 warps at 1 stage 168 uncapped (3 programs per SM), 128 capped with 8 B
-# of spill (4); 256 x 8 warps at 1 stage capped at 128 without spill (2); at 3 stages the
-# widened kernel needs 250 and spills under any cap that fits three.
-WIDEN = [
-    (128, 4, 3, 168, False),
-    (128, 4, 1, 128, False),
-    (128, 4, 1, None, True),
-    (128, 4, 1, 168, True),
-    (128, 4, 1, 128, True),
-    (64, 4, 1, None, True),
-    (64, 4, 3, 128, True),
-    (128, 8, 1, None, True),
-    (128, 8, 3, 128, True),
-    (256, 8, 1, 128, True),
-]
-
-
-def widen_sweep() -> None:
-    """The fp8 pool's launch with and without the V widening (WIDEN), graph-timed."""
-    saved = (ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS, ad.FP8_WIDEN_V_FIRST)
-    for model, batch_size in [("qwen3-0.6b", b) for b in BATCHES] + [
-        ("llama-3.1-8b", 256),
-        ("llama-3.1-8b", 64),
-    ]:
-        q, pools, common, values = build(model, draw(batch_size), 1)
-        k_pool, v_pool, scales = pools["fp8"]
-        bf16_k, bf16_v, _ = pools["bf16"]
-        bf16 = timed(lambda: ad.decode_attention(q, bf16_k, bf16_v, *common))
-        cells = [f"bf16 pool: {bf16:6.1f} us {values * 2 / bf16 / 1e6:4.2f} TB/s"]
-        for config in WIDEN:
-            ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS, ad.FP8_WIDEN_V_FIRST = config
-            try:
-                out = ad.decode_attention(q, k_pool, v_pool, *common, **scales)
-                t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
-            except Exception as exc:  # out of resources for this configuration
-                cells.append(f"{config}: {type(exc).__name__}")
-                continue
-            finally:
-                ad.NUM_WARPS, ad.NUM_STAGES = saved[1], saved[2]  # the bf16 launch shares these
-            ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS, ad.FP8_WIDEN_V_FIRST = saved
-            ref = ad.decode_attention(q, k_pool, v_pool, *common, **scales)
-            err = (out.float() - ref.float()).abs().max().item()
-            cells.append(
-                f"{config}: {t:6.1f} us {values / t / 1e6:4.2f} TB/s (max |diff| vs default {err:.1e})"
-            )
-        ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS, ad.FP8_WIDEN_V_FIRST = saved
-        print(f"{model} B={batch_size:3d} fp8\n    " + "\n    ".join(cells), flush=True)
-        del pools
-        torch.cuda.empty_cache()
-
-
 def once(dtype: str, batch_size: int) -> None:
     q, pools, common, _ = build("qwen3-0.6b", draw(batch_size), 1)
     k_pool, v_pool, scales = pools[dtype]
@@ -304,11 +250,8 @@ def main() -> None:
     parser.add_argument("--splits", action="store_true", help="time split counts at 16-96 running")
     parser.add_argument("--registers", action="store_true", help="sweep the fp8 launch and its register cap")
     parser.add_argument("--pipeline", action="store_true", help="time deeper load pipelines for both pools")
-    parser.add_argument("--widen", action="store_true", help="time the fp8 launch with V widened first")
     args = parser.parse_args()
-    if args.widen:
-        widen_sweep()
-    elif args.pipeline:
+    if args.pipeline:
         pipeline_sweep()
     elif args.registers:
         register_sweep()

@@ -49,7 +49,6 @@ NUM_STAGES = 3
 # 185 us at B=256 (a cap of 128 spills and is slower, 209 us). The bf16 kernel already uses 128
 # and four fit. scripts/gpu_decode_layout.py --registers sweeps it.
 FP8_MAX_REGISTERS = 168
-FP8_WIDEN_V_FIRST = False
 
 
 @triton.jit
@@ -98,7 +97,6 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    WIDEN_V_FIRST: tl.constexpr,
 ):
     # Grid (kv head, request, split), kv head fastest: the programs of one request's heads, which
     # read neighbouring parts of the same slot rows, run side by side. H200, CUDA-graph timed,
@@ -198,7 +196,6 @@ def _decode_split_kernel(
         True,
         False,
         BLOCK_N,
-        WIDEN_V_FIRST,
     )
 
     # An empty slice (split past the end) has l_i = 0: its output is 0 and its lse -inf.
@@ -313,7 +310,6 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
-        WIDEN_V_FIRST=k_scale is not None and FP8_WIDEN_V_FIRST,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
         **register_cap,

@@ -105,19 +105,12 @@ def attend_blocks(
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    WIDEN_V_FIRST: tl.constexpr = False,
 ):
     """Online-softmax steps of q's rows over keys [start, end), gathered slot by slot through
     a page-table row; returns the updated (running max, running sum, accumulator), base 2.
 
     MASKED: bound-check keys against `end` (without it every step must be a whole block).
     CAUSAL (with MASKED): the row at position q_pos[i] sees keys at positions <= q_pos[i].
-    WIDEN_V_FIRST (an fp8 pool): V is the second operand of p @ V, which wants pairs of keys
-    in a register. Left alone, Triton 3.6 moves the e4m3 -> fp16 widening past the layout
-    change and reads the fp8 tile from shared memory one byte per instruction (128
-    `ld.shared.b8` per thread per 128-key step). The two transposes (a relabelling of registers,
-    no data movement) keep the widening in the layout V was loaded in, so the fp16 tile goes
-    through shared memory with vector stores and `ldmatrix` (scripts/kernel_registers.py).
     Used by the decode kernel (masked, not causal) and the extend kernel (both ways)."""
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
@@ -143,9 +136,9 @@ def attend_blocks(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        # WIDEN_V_FIRST: widen in the layout V was loaded in (see the docstring)
-        v = tl.trans(tl.trans(v).to(q.dtype)) if WIDEN_V_FIRST else v.to(q.dtype)
+        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0).to(
+            q.dtype
+        )
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
         m_i = m_new
     return m_i, l_i, acc

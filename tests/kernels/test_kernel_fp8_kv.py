@@ -15,7 +15,7 @@ from kernel_cases import make_paged_batch, tolerance
 from minfer.attention.base import ForwardContext, build_metadata
 from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.attention.triton_backend import TritonAttentionBackend
-from minfer.kernels import attention_decode, attention_extend
+from minfer.kernels import attention_extend
 from minfer.kernels.attention_decode import decode_attention, decode_attention_reference
 from minfer.kernels.attention_extend import extend_attention, extend_attention_reference
 from minfer.kernels.rope_store import rope_store
@@ -114,10 +114,8 @@ def test_rope_store_writes_what_kvpool_store_writes(dtype, num_heads, num_kv_hea
                    k_pool, v_pool, out_loc.to(device))  # fmt: skip
 
 
-@pytest.mark.parametrize("widen_v_first", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_reads_fp8(dtype, widen_v_first, device, monkeypatch):
-    monkeypatch.setattr(attention_decode, "FP8_WIDEN_V_FIRST", widen_v_first)
+def test_decode_reads_fp8(dtype, device):
     num_kv_heads, group, head_dim = 3, 2, 64
     seq_lens = [1, 37, 130]
     gen = _gen("decode", str(dtype))
