@@ -33,10 +33,16 @@ class CheckedForward:
             self.decoder.lean_forward = self
         got = self.lean(input_ids, positions, ctx)
         # Relative to each row's largest magnitude: the paths round in a different order, and
-        # the bf16 kernel inputs make a last-bit difference one bf16 step (2^-8) of an element.
-        error = ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
+        # the bf16 kernel inputs make a last-bit difference one bf16 step (2^-8) of an element,
+        # which 30 layers grow. Measured (the default model, 4 prefill passes of 38-48 rows):
+        # worst row 0.0216, median row 0.002 on an AMD EPYC with avx512_bf16 and no AMX (below
+        # 0.02 on the Intel AMX machines before it); exactly 0 with MINFER_LOW_BIT_DENSE=float32.
+        # A wrong computation is off by the row's whole magnitude, in most rows.
+        rows = (got - want).abs().amax(-1) / want.abs().amax(-1)
+        error = rows.max().item()
         self.worst = max(self.worst, error)
-        assert error < 2e-2, error
+        assert error < 4e-2, error
+        assert rows.median().item() < 5e-3, rows.median().item()
         meta = ctx.attn
         kind = "prefill" if not meta.is_decode else "decode 1" if meta.batch_size == 1 else "decode many"
         self.passes[kind] += 1
