@@ -48,7 +48,10 @@ def set_gpu_host_threads(requested: int | None) -> int:
     that wait is milliseconds: on the H200 host a prefill pass's two 8192-entry
     `repeat_interleave`s took 1.5 ms each under cProfile (10 us on one thread here), while
     the GPU waited on the pass's launches (docs/PERFORMANCE.md, section 14)."""
-    threads = requested or 1
+    return _set_threads(requested or 1)
+
+
+def _set_threads(threads: int) -> int:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
@@ -56,7 +59,4 @@ def set_gpu_host_threads(requested: int | None) -> int:
 
 def set_cpu_threads(requested: int | None, ranks_per_node: int = 1) -> int:
     """Set torch's intra-op threads for a process that runs the model on CPU; returns the count."""
-    threads = cpu_thread_count(requested, ranks_per_node)
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-    return threads
+    return _set_threads(cpu_thread_count(requested, ranks_per_node))
