@@ -137,6 +137,9 @@ class EngineConfig:
         "HOST:PORT where rank 0 meets the other ranks (required with nnodes > 1; default: a free local port)",
     )
     cuda_graph_max_bs: int = _opt(256, "largest decode batch captured in a CUDA graph; 0 disables graphs")
+    prefill_cuda_graph_max_tokens: int | None = _opt(
+        None, "largest prefill pass replayed from CUDA graphs (default: --chunked-prefill-size; 0: none)"
+    )
     disable_overlap_schedule: bool = _opt(
         False, "run the CPU scheduling and the GPU step one after the other"
     )
@@ -314,6 +317,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "nnodes": (1, float("inf")),
     "node_rank": (0, float("inf")),
     "cuda_graph_max_bs": (0, float("inf")),
+    "prefill_cuda_graph_max_tokens": (0, float("inf")),
     "log_stats_interval": (0, float("inf")),
     "max_unread_replies": (1, float("inf")),
     "shutdown_timeout": (0, float("inf")),

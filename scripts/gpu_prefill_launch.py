@@ -3,7 +3,7 @@ multi-turn round (a few hundred new tokens over a cached history), on dummy weig
 
     PYTHONPATH=$PWD python3 scripts/gpu_prefill_launch.py --model llama-3.1-8b
 
-Each timed pass starts with the GPU idle (synchronized), so `launch` is pure CPU time (model
+Each timed pass (replayed from a CUDA graph unless --prefill-cuda-graph-max-tokens 0) starts with the GPU idle (synchronized), so `launch` is pure CPU time (model
 forward issued, nothing waited for) and `total` adds the GPU's tail. If launch is close to
 total, the pass is CPU-bound: its kernels run faster than Python issues them. Then one pass
 under cProfile, by own time, says which calls the CPU time goes to.
@@ -37,8 +37,18 @@ def main() -> int:
     p.add_argument("--new", type=int, default=320, help="new tokens per request")
     p.add_argument("--requests", default="1,2", help="requests per pass, comma-separated")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--prefill-cuda-graph-max-tokens", type=int, default=None, help="0: launch every pass from Python"
+    )
     args = p.parse_args()
-    llm = LLM(args.model, load_format="dummy", dtype=args.dtype, kv_cache_tokens=65536, log_level="warning")
+    llm = LLM(
+        args.model,
+        load_format="dummy",
+        dtype=args.dtype,
+        kv_cache_tokens=65536,
+        log_level="warning",
+        prefill_cuda_graph_max_tokens=args.prefill_cuda_graph_max_tokens,
+    )
     sched, engine = llm.scheduler, llm.scheduler.engine
     rng = random.Random(0)
     vocab = min(engine.vocab_size, 20000)

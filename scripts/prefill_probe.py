@@ -78,6 +78,7 @@ profiler = cProfile.Profile() if os.environ.get("MINFER_PROBE_CPROFILE") == "1" 
 
 
 def timed_forward(self, batch):
+    stats["engine"] = self
     if profiler is not None and batch.phase == Phase.PREFILL and "first_timed" in stats:
         profiler.enable()
         try:
@@ -126,6 +127,8 @@ if torch.cuda.is_available():
         "cuda segments allocated in the timed run:",
         torch.cuda.memory_stats().get("segment.all.allocated", 0) - stats.get("alloc_before", 0),
     )
+runner = getattr(stats.get("engine"), "prefill_graphs", None)
+print("prefill passes replayed from CUDA graphs:", runner.replays if runner is not None else "none captured")
 timed_compiles = [c for c in compiles if c[0] >= stats.get("first_timed", 0)]
 print(f"Triton compiles in the timed run: {len(timed_compiles)} (of {len(compiles)})")
 for step, what in timed_compiles:

@@ -34,6 +34,10 @@ class AttentionMetadata:
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     max_extend_len: int
+    # The Triton extend kernel's tile map (kernels/attention_extend.py `extend_tiles`), made by
+    # the backend on a pass's first layer and reused by the others; a prefill CUDA graph
+    # brings its own fixed-size one.
+    extend_tiles: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -13,8 +13,9 @@ import os
 import torch
 
 from minfer.attention.base import ForwardContext
+from minfer.device import to_device
 from minfer.kernels.attention_decode import decode_attention
-from minfer.kernels.attention_extend import extend_attention
+from minfer.kernels.attention_extend import extend_attention, extend_tiles, launch_config
 from minfer.kernels.new_kv import NewKV
 from minfer.kernels.rope_store import store_new_kv
 
@@ -59,6 +60,10 @@ class TritonAttentionBackend:
                 **scales,
                 new_kv=new_kv,
             )
+        if meta.extend_tiles is None:
+            block_m = launch_config(meta.max_extend_len, q.is_cuda, pool.quantized)[0]
+            tiles = extend_tiles(meta.extend_lens_cpu, block_m)
+            meta.extend_tiles = to_device(tiles, torch.int32, q.device)
         return extend_attention(
             q,
             k_pool,
@@ -71,4 +76,5 @@ class TritonAttentionBackend:
             meta.max_extend_len,
             scale,
             **scales,
+            tiles=meta.extend_tiles,
         )

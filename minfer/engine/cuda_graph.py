@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for decode steps (prefill passes: engine/prefill_graph.py).
 
 A decode step of a small model is hundreds of short kernel launches; replaying a captured
 graph issues them all at once. Graphs are captured for a ladder of batch sizes up to
@@ -9,6 +9,7 @@ so they never touch a real request's cache.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -19,6 +20,23 @@ from minfer.attention.base import AttentionMetadata, ForwardContext
 from minfer.device import to_device
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def capture_guarded():
+    """Inference mode, and no garbage collection while graphs are captured: collecting an
+    earlier engine's graphs calls cudaGraphExecDestroy, which is illegal while a stream
+    captures and voids the capture (seen on an H200 when one process built several engines in
+    turn)."""
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -81,24 +99,14 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
-        # The garbage collector must not run during a capture: collecting an earlier engine's
-        # graphs calls cudaGraphExecDestroy, which is illegal while a stream captures and voids
-        # the capture (seen on an H200 when one process built several engines in turn).
-        gc.collect()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.inference_mode():
-                for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory
-                    self._run(bs)  # warm-up outside the graph: compiles kernels, settles allocations
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._run(bs)
-                    self.graphs[bs] = graph
-        finally:
-            if gc_was_enabled:
-                gc.enable()
+        with capture_guarded():
+            for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory
+                self._run(bs)  # warm-up outside the graph: compiles kernels, settles allocations
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._run(bs)
+                self.graphs[bs] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]

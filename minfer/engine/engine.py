@@ -16,6 +16,7 @@ from minfer.config import EngineConfig, default_chunked_prefill_size, default_ma
 from minfer.core import Batch, LogprobRow, Phase
 from minfer.device import set_cpu_threads, set_gpu_host_threads, to_device
 from minfer.distributed.parallel import SINGLE, TPGroup
+from minfer.engine.graphs import capture_cuda_graphs
 from minfer.engine.logprobs import LogprobTensors, reduce_logprobs, rows_of
 from minfer.engine.memory import MemoryBudget, plan_memory
 from minfer.engine.sample_step import sample_step
@@ -213,20 +214,18 @@ class Engine:
             self.memory.host_available_bytes = host_available_bytes()
         self.page_table = PageTable(self.max_running_requests, self.max_model_len, self.device)
         self.page_table.point_padding_row_at(self.kv_pool.scratch_slot)
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None  # CUDA graphs: decode steps, prefill passes
         self._grammar = None  # GrammarBackend, made by the first structured-output request
-        if self.device.type == "cuda" and config.cuda_graph_max_bs > 0 and self.backend.name == "triton":
-            from minfer.engine.cuda_graph import CudaGraphRunner
-
-            self.graphs = CudaGraphRunner(self, min(config.cuda_graph_max_bs, self.max_running_requests))
-            self.memory.graph_measured_bytes = self.graphs.memory_bytes
+        if self.device.type == "cuda" and self.backend.name == "triton":
+            capture_cuda_graphs(self)
         log.info("%s", self.memory.describe(self.max_model_len))
 
     def release_cuda_graphs(self) -> None:
-        """Drop the decode graphs (later decode steps run eagerly); before a TP group is left."""
-        if self.graphs is not None:
-            self.graphs.release()
-            self.graphs = None
+        """Drop the graphs (later passes run eagerly); before a TP group is left."""
+        for runner in (self.graphs, self.prefill_graphs):
+            if runner is not None:
+                runner.release()
+        self.graphs = self.prefill_graphs = None
 
     # -- one forward pass ----------------------------------------------------------------------
     def forward_batch(self, batch: Batch) -> ForwardResult:
@@ -253,16 +252,17 @@ class Engine:
             if is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
                 logits = self.graphs.replay(input_ids, positions_d, out_loc, table_idx, prefix_lens)
             else:
-                meta = build_metadata(
-                    table_idx,
-                    prefix_lens,
-                    list(batch.extend_lens),
-                    self.page_table.slots,
-                    is_decode,
-                    self.device,
-                )
-                ctx = ForwardContext(meta, self.kv_pool, self.backend, out_loc)
-                hidden = self.model(input_ids, positions_d, ctx)
+                extend_lens = list(batch.extend_lens)
+                graphs = self.prefill_graphs
+                if not is_decode and graphs is not None and graphs.can_run(extend_lens):
+                    args = (input_ids, positions_d, out_loc, table_idx, prefix_lens, extend_lens)
+                    hidden, cu_extend_lens = graphs.replay(*args)
+                else:
+                    meta = build_metadata(
+                        table_idx, prefix_lens, extend_lens, self.page_table.slots, is_decode, self.device
+                    )
+                    ctx = ForwardContext(meta, self.kv_pool, self.backend, out_loc)
+                    hidden, cu_extend_lens = self.model(input_ids, positions_d, ctx), meta.cu_extend_lens
                 if prompt_spans:
                     prompt_logprobs = self._prompt_logprobs(batch, hidden, prompt_spans)
                 if not sampled_rows:
@@ -275,7 +275,7 @@ class Engine:
                     result.start_copy()
                     return result
                 if not is_decode:
-                    ends = meta.cu_extend_lens[1:].long() - 1
+                    ends = cu_extend_lens[1:].long() - 1
                     if len(sampled_rows) < len(reqs):
                         ends = ends[to_device(sampled_rows, torch.int64, self.device)]
                     hidden = hidden[ends]

@@ -8,7 +8,7 @@ On CUDA:
 where `in_use_before` is memory other processes (and the CUDA context) held before minfer
 loaded anything, `weights` is measured after loading, `activation_reserve` is the peak
 measured during a profiling forward pass of the largest prefill chunk, and `graph_reserve`
-is set aside for the decode CUDA graphs (their real size is measured after capture and
+is set aside for the decode and prefill CUDA graphs (their real size is measured after capture and
 printed beside it). On CPU the pool holds `--kv-cache-tokens` tokens.
 `--kv-cache-tokens` overrides the derived size on CUDA too. docs/MEMORY.md works an example.
 """
@@ -161,7 +161,7 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
         )
     total = torch.cuda.mem_get_info(engine.device)[1]
     activation = profile_activation_peak(engine)
-    graphs = graph_reserve(engine)
+    graphs = graph_reserve(engine, activation)
     if cfg.kv_cache_tokens:
         tokens = cfg.kv_cache_tokens
     else:
@@ -201,17 +201,25 @@ def host_staging_bytes(cfg, bytes_per_token: int) -> int:
     return staging_bytes(bytes_per_token * cfg.page_size, pages) if pages else 0
 
 
-def graph_reserve(engine) -> int:
-    """Memory the decode CUDA graphs will hold: the shared float32 logits buffer, the model-dtype
-    logits inside the graph pool, and the largest batch's activations (a few hidden-size rows per
-    layer, bounded generously). Measured after capture and reported beside this estimate."""
+def graph_reserve(engine, activation: int) -> int:
+    """Memory the CUDA graphs will hold. Decode's: the shared float32 logits buffer, the
+    model-dtype logits inside the graph pool, and the largest batch's activations (a few
+    hidden-size rows per layer, bounded generously). Prefill's: the largest captured pass's
+    activations, taken as the measured peak of a chunk (`activation`) scaled to its tokens.
+    Measured after capture and reported beside this estimate."""
+    from minfer.engine.prefill_graph import prefill_graph_tokens
+
     cfg = engine.config
-    if engine.device.type != "cuda" or cfg.cuda_graph_max_bs <= 0:
+    if engine.device.type != "cuda" or engine.backend.name != "triton":
         return 0
-    bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS)
-    itemsize = torch.empty((), dtype=engine.dtype).element_size()
-    hidden = engine.hf_config.hidden_size + 2 * engine.hf_config.intermediate_size
-    return bs * engine.vocab_size * (4 + itemsize) + 16 * bs * hidden * itemsize + 64 * (1 << 20)
+    reserve = 0
+    if cfg.cuda_graph_max_bs > 0:
+        bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS)
+        itemsize = torch.empty((), dtype=engine.dtype).element_size()
+        hidden = engine.hf_config.hidden_size + 2 * engine.hf_config.intermediate_size
+        reserve += bs * engine.vocab_size * (4 + itemsize) + 16 * bs * hidden * itemsize + 64 * (1 << 20)
+    chunk = min(cfg.chunked_prefill_size, engine.max_model_len)
+    return reserve + activation * prefill_graph_tokens(engine) // chunk
 
 
 def profile_activation_peak(engine) -> int:

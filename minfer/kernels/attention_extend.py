@@ -6,10 +6,13 @@ is read through `page_table[table_idx[b], pos]`: the cached prefix and this pass
 which the attention layer stored in the pool before the call. Query j (position prefix + j)
 sees keys [0, prefix + j].
 
-Grid (query block, request, q head); a flash-attention loop with an online softmax in fp32.
+One program per (query tile, q head); a flash-attention loop with an online softmax in fp32.
 Keys are walked only up to the last position the block's queries can see, and only the key
-blocks that reach the block's own positions pay for the causal mask. Query blocks past a
-request's extend length return at once, so the grid may be sized by the longest extend.
+blocks that reach the block's own positions pay for the causal mask. The engine hands the
+kernel a tile map (`extend_tiles`: which request and query block each program takes), built
+once per pass on the CPU; its length can be fixed, which a CUDA graph needs (the map is padded
+with tiles past a request's end). Without one the grid is (query block, request, q head),
+sized by the longest extend, and query blocks past a request's extend return at once.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ LONG_EXTEND = 1536  # tokens: a launch whose longest extend reaches this takes L
 # Query blocks run last-first: under the causal mask a later block sees more keys, so starting
 # with the heaviest leaves the light ones to fill the last wave (the 32k prompt above: 426 vs
 # 418 TFLOP/s in the long configuration, 347 vs 350 in the short one: a wash there).
+# `extend_tiles` orders a tile map the same way; this flag is for the grid without one.
 HEAVY_FIRST = True
 
 
@@ -73,6 +77,7 @@ def _extend_kernel(
     prefix_lens_ptr,
     seq_lens_ptr,
     cu_extend_lens_ptr,
+    tiles_ptr,
     k_scale_ptr,
     v_scale_ptr,
     sm_scale_log2,
@@ -85,6 +90,7 @@ def _extend_kernel(
     stride_ot,
     stride_oh,
     stride_page_row,
+    stride_tiles,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     KV_SCALED: tl.constexpr,
@@ -92,12 +98,18 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAVY_FIRST: tl.constexpr,
+    TILED: tl.constexpr,
 ):
-    block_m = tl.program_id(0)
-    if HEAVY_FIRST:
-        block_m = tl.num_programs(0) - 1 - block_m
-    b = tl.program_id(1)
-    head = tl.program_id(2)
+    if TILED:  # tiles_ptr: [2, stride_tiles] int32, row 0 the request, row 1 its query block
+        b = tl.load(tiles_ptr + tl.program_id(0))
+        block_m = tl.load(tiles_ptr + stride_tiles + tl.program_id(0))
+        head = tl.program_id(1)
+    else:
+        block_m = tl.program_id(0)
+        if HEAVY_FIRST:
+            block_m = tl.num_programs(0) - 1 - block_m
+        b = tl.program_id(1)
+        head = tl.program_id(2)
 
     q_start = tl.load(cu_extend_lens_ptr + b)
     extend_len = tl.load(cu_extend_lens_ptr + b + 1) - q_start
@@ -190,6 +202,26 @@ def _extend_kernel(
     )
 
 
+def extend_tiles(extend_lens: list[int], block_m: int, width: int | None = None) -> list[list[int]]:
+    """The tile map of a pass: [requests, query blocks], one column per program. Each request's
+    blocks run last-first: under the causal mask a later block sees more keys, so starting with
+    the heaviest leaves the light ones to fill the last wave. The map is padded to `width`
+    (default: the tile count rounded up to 16) with tiles past request 0's end, which return at
+    once; a width that is a multiple of 16 keeps the kernel's row-stride argument in one Triton
+    specialization, so no pass compiles a new variant."""
+    requests: list[int] = []
+    blocks: list[int] = []
+    for i, n in enumerate(extend_lens):
+        count = -(-n // block_m)
+        requests += [i] * count
+        blocks += range(count - 1, -1, -1)
+    width = -(-len(requests) // 16) * 16 if width is None else width
+    if width % 16 or width < len(requests):
+        raise ValueError(f"tile map width {width} must be a multiple of 16 holding {len(requests)} tiles")
+    pad = width - len(requests)
+    return [requests + [0] * pad, blocks + [-(-extend_lens[0] // block_m)] * pad]
+
+
 def extend_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -204,13 +236,16 @@ def extend_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its keys [0, seq_lens[b]).
 
     q: [T, Hq, D] (last dim contiguous); k_pool, v_pool: [slots, Hk, D]; page_table: [rows, max_len]
     int32; table_idx, prefix_lens, seq_lens: [B] int32 and cu_extend_lens: [B + 1] int32, all on
-    the device; max_extend_len: the longest extend of the batch (CPU int, sizes the grid).
-    An fp8 pool comes with k_scale, v_scale ([Hk] float32; see decode_attention).
+    the device; max_extend_len: the longest extend of the batch (CPU int: it picks the launch
+    configuration, and without a tile map it sizes the grid). An fp8 pool comes with k_scale,
+    v_scale ([Hk] float32; see decode_attention). tiles: the pass's `extend_tiles` for this
+    launch's BLOCK_M (`launch_config`), [2, width] int32 on the device, contiguous.
     Returns [T, Hq, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -228,7 +263,11 @@ def extend_attention(
     block_m, block_n, num_warps, num_stages, cap = launch_config(
         max_extend_len, q.is_cuda, k_scale is not None
     )
-    grid = (triton.cdiv(max_extend_len, block_m), batch, num_heads)
+    if tiles is not None:
+        assert tiles.is_contiguous() and tiles.shape[0] == 2 and tiles.shape[1] % 16 == 0
+        grid = (tiles.shape[1], num_heads)
+    else:
+        grid = (triton.cdiv(max_extend_len, block_m), batch, num_heads)
     register_cap = {"maxnreg": cap} if cap else {}
     _extend_kernel[grid](
         q,
@@ -240,6 +279,7 @@ def extend_attention(
         prefix_lens,
         seq_lens,
         cu_extend_lens,
+        tiles if tiles is not None else seq_lens,
         k_scale if k_scale is not None else seq_lens,
         v_scale if v_scale is not None else seq_lens,
         scale * LOG2E,
@@ -252,6 +292,7 @@ def extend_attention(
         out.stride(0),
         out.stride(1),
         page_table.stride(0),
+        tiles.stride(0) if tiles is not None else 16,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         KV_SCALED=k_scale is not None,
@@ -259,6 +300,7 @@ def extend_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         HEAVY_FIRST=HEAVY_FIRST,
+        TILED=tiles is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **register_cap,

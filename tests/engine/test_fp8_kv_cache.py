@@ -22,8 +22,8 @@ def model_path(tmp_path_factory):
 def test_fp8_pool_quarters_float32_bytes_and_still_generates(model_path):
     prompts = [[5, 6, 7, 8], list(range(30))]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    full = LLM(model_path, kv_cache_tokens=256)
-    fp8 = LLM(model_path, kv_cache_tokens=256, kv_cache_dtype="fp8_e4m3")
+    full = LLM(model_path, device="cpu", kv_cache_tokens=256)  # float32 on the CPU, on any machine
+    fp8 = LLM(model_path, device="cpu", kv_cache_tokens=256, kv_cache_dtype="fp8_e4m3")
     pool = fp8.engine.kv_pool
     assert pool.k[0].dtype == torch.float8_e4m3fn and pool.quantized
     assert full.engine.kv_pool.k[0].dtype == torch.float32 and not full.engine.kv_pool.quantized

@@ -13,7 +13,7 @@ from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.attention.triton_backend import TritonAttentionBackend
 from minfer.kernels import attention_extend
 from minfer.kernels.attention_decode import choose_num_splits, decode_attention, decode_attention_reference
-from minfer.kernels.attention_extend import extend_attention, extend_attention_reference
+from minfer.kernels.attention_extend import extend_attention, extend_attention_reference, extend_tiles
 from minfer.kvcache.pool import KVPool
 
 
@@ -81,7 +81,14 @@ def _extend_case(group, head_dim, page_size, dtype, device, prefix_lens, extend_
     return batch, q
 
 
-def _run_extend(batch, q, scale):
+def _run_extend(batch, q, scale, tiled=True, width=None):
+    """Through a tile map, as the engine launches it (`width` pads the map as a CUDA graph's
+    fixed one is), or over the grid sized by the longest extend."""
+    longest = max(batch.extend_lens_cpu)
+    tiles = None
+    if tiled:
+        block_m = attention_extend.launch_config(longest, q.is_cuda)[0]
+        tiles = torch.tensor(extend_tiles(batch.extend_lens_cpu, block_m, width), dtype=torch.int32)
     return extend_attention(
         q,
         batch.k_pool,
@@ -91,8 +98,9 @@ def _run_extend(batch, q, scale):
         batch.prefix_lens,
         batch.seq_lens,
         batch.cu_extend_lens,
-        max(batch.extend_lens_cpu),
+        longest,
         scale,
+        tiles=None if tiles is None else tiles.to(q.device),
     )
 
 
@@ -119,6 +127,21 @@ def test_extend_matches_reference(group, head_dim, page_size, device):
     scale = head_dim**-0.5
     expected = _extend_reference(batch, q, scale)
     torch.testing.assert_close(_run_extend(batch, q, scale), expected, **tolerance(dtype))
+    if group == 2 and page_size == 16:  # the grid without a tile map, and a padded map
+        torch.testing.assert_close(_run_extend(batch, q, scale, tiled=False), expected, **tolerance(dtype))
+        torch.testing.assert_close(_run_extend(batch, q, scale, width=64), expected, **tolerance(dtype))
+
+
+def test_extend_tiles_cover_every_query_block_once():
+    """Each request's blocks last-first, then padding past request 0's end up to a multiple of
+    16 (one Triton specialization for the row stride); a width too small or unaligned fails."""
+    requests, blocks = extend_tiles([130, 1, 64], 64)
+    assert list(zip(requests, blocks))[:5] == [(0, 2), (0, 1), (0, 0), (1, 0), (2, 0)]
+    assert len(requests) == 16 and set(zip(requests[5:], blocks[5:])) == {(0, 3)}
+    assert len(extend_tiles([130, 1, 64], 64, width=48)[0]) == 48
+    for width in (0, 20):
+        with pytest.raises(ValueError, match="tile map width"):
+            extend_tiles([130, 1, 64], 64, width=width)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
