@@ -32,8 +32,10 @@ from minfer.engine.cuda_graph import capture_guarded
 from minfer.kernels.attention_extend import LONG_EXTEND, extend_tiles, launch_config
 
 # A graphed pass holds up to this many requests (the offline benchmark's 8192-token chunks hold
-# 6-18); every unused one costs a program per q head and layer that returns at once.
-MAX_REQUESTS = 64
+# 6-18; 8192 tokens of 100-token prompts, 82). A bucket's tile map has room for one partial tile
+# per request it can hold, and each unused tile is a program per q head and layer that returns
+# at once (~1-2 us per layer for the 8192-token bucket).
+MAX_REQUESTS = 128
 
 
 def prefill_graph_tokens(engine) -> int:
@@ -142,8 +144,9 @@ class PrefillGraphRunner:
         self.capture()
 
     def _tile_width(self, tokens: int) -> int:
-        # Each request's last tile may be partly empty: at most one extra tile per request.
-        return _round16(-(-tokens // self.block_m) + self.max_requests + 1)
+        # Each request's last tile may be partly empty: at most one extra tile per request, and
+        # a bucket of n tokens holds at most n requests (+ the padding one).
+        return _round16(-(-tokens // self.block_m) + min(self.max_requests, tokens) + 1)
 
     def _context(self, tokens: int) -> ForwardContext:
         meta = metadata_views(self.meta[tokens], self.width, tokens, self.engine.page_table.slots)

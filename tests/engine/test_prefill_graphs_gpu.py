@@ -26,12 +26,12 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-def _engine(path, **kw):
+def _engine(path, max_running_requests=4, **kw):
     from minfer import LLM
 
     # Four running requests: later prompts prefill in passes beside decode steps.
     args = dict(device="cuda", dtype="float32", chunked_prefill_size=2048, kv_cache_tokens=16384)
-    return LLM(str(path), max_running_requests=4, check_kv_invariants=True, **args, **kw)
+    return LLM(str(path), max_running_requests=max_running_requests, check_kv_invariants=True, **args, **kw)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -64,3 +64,16 @@ def test_prefill_graphs_over_fp8_pool_equal_eager_passes(tmp_path):
         tokens[max_tokens] = [o.token_ids for o in llm.generate_ids(prompts, params, use_tqdm=False)]
         del llm
     assert tokens[None] == tokens[0]
+
+
+def test_many_short_prompts_in_one_graphed_pass(tmp_path):
+    """100 prompts of 1-30 tokens: passes of up to 100 requests, each with its own tiles."""
+    hf = save_tiny_model("qwen3", tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in torch.randint(1, 31, (100,))]
+    llm = _engine(tmp_path, max_running_requests=100)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate_ids(prompts, params, use_tqdm=False)
+    assert llm.engine.prefill_graphs.replays >= 1
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 3), prompt
