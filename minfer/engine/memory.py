@@ -168,8 +168,9 @@ def plan_memory(engine, in_use_before: int) -> MemoryBudget:
         kv_bytes = int(total * cfg.mem_fraction) - in_use_before - weights - activation - graphs - staging
         if kv_bytes < per_token * engine.max_model_len // 8:
             raise RuntimeError(
-                f"not enough device memory for a KV pool: {kv_bytes / GiB:.2f} GiB left after weights "
-                f"and activations; raise --mem-fraction or lower --chunked-prefill-size / --max-model-len"
+                f"not enough device memory for a KV pool: {kv_bytes / GiB:.2f} GiB left after weights, "
+                f"activations and CUDA graphs; raise --mem-fraction or lower --chunked-prefill-size / "
+                f"--max-model-len / --prefill-cuda-graph-max-tokens"
             )
         # Every TP rank must hold the same pool (their schedulers decide alike): the smallest.
         tokens = engine.tp.min_over_ranks(kv_bytes // per_token)
