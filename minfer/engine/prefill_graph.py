@@ -41,15 +41,20 @@ MAX_REQUESTS = 128
 def prefill_graph_tokens(engine) -> int:
     """The largest prefill pass to capture, 0 for none: --prefill-cuda-graph-max-tokens
     (default: the chunk size), within the context length. None with tensor parallelism (its
-    all-reduces of prefill sizes inside a graph are not yet checked on two GPUs) or with
-    fused MoE experts (routing a pass's many tokens takes the torch path, which syncs)."""
-    from minfer.layers.moe import FusedExperts
+    all-reduces of prefill sizes inside a graph are not yet checked on two GPUs). A MoE model's
+    passes are captured up to the tokens whose expert assignments the Triton align kernel sorts
+    (ALIGN_KERNEL_MAX_ROWS; above it a torch path syncs, which a graph cannot hold)."""
+    from minfer.kernels.moe import ALIGN_KERNEL_MAX_ROWS
+    from minfer.layers.moe import SparseMoeBlock
 
     cfg = engine.config
     tokens = cfg.prefill_cuda_graph_max_tokens
     tokens = cfg.chunked_prefill_size if tokens is None else tokens
-    if not tokens or engine.tp.size > 1 or any(isinstance(m, FusedExperts) for m in engine.model.modules()):
+    if not tokens or engine.tp.size > 1:
         return 0
+    top_k = max([m.top_k for m in engine.model.modules() if isinstance(m, SparseMoeBlock)], default=0)
+    if top_k:
+        tokens = min(tokens, ALIGN_KERNEL_MAX_ROWS // top_k)
     return min(tokens, cfg.chunked_prefill_size, engine.max_model_len)
 
 
