@@ -253,7 +253,7 @@ class Engine:
                 logits = self.graphs.replay(input_ids, positions_d, out_loc, table_idx, prefix_lens)
             else:
                 extend_lens = list(batch.extend_lens)
-                graphs = self.prefill_graphs
+                graphs = self.prefill_graphs  # a prefill pass replays a graph where one holds it
                 if not is_decode and graphs is not None and graphs.can_run(extend_lens):
                     args = (input_ids, positions_d, out_loc, table_idx, prefix_lens, extend_lens)
                     hidden, cu_extend_lens = graphs.replay(*args)
