@@ -39,6 +39,36 @@ def capture_guarded():
             gc.enable()
 
 
+def capture_graphs(sizes: list[int], run) -> tuple[dict[int, torch.cuda.CUDAGraph], float, int]:
+    """One graph of `run(size)` per size, in one memory pool, largest first (smaller ones reuse
+    its memory); each run once outside its graph first (that compiles kernels and settles
+    allocations). Returns (graphs by size, seconds, device bytes the capture took)."""
+    start = time.perf_counter()
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    pool = torch.cuda.graph_pool_handle()
+    graphs = {}
+    with capture_guarded():
+        for size in sorted(sizes, reverse=True):
+            run(size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                run(size)
+            graphs[size] = graph
+    torch.cuda.synchronize()
+    return graphs, time.perf_counter() - start, free_before - torch.cuda.mem_get_info()[0]
+
+
+def release_graphs(graphs: dict[int, torch.cuda.CUDAGraph], device: torch.device) -> None:
+    """Free every captured graph. Graphs holding NCCL collectives keep their communicator busy:
+    NCCL's teardown waits until they are gone (see distributed/parallel.py)."""
+    torch.cuda.synchronize(device)
+    for graph in graphs.values():
+        graph.reset()
+    graphs.clear()
+
+
 def graph_batch_sizes(max_bs: int) -> list[int]:
     sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_bs] + list(range(16, max_bs + 1, 16))
     if sizes[-1] != max_bs:
@@ -64,7 +94,6 @@ class CudaGraphRunner:
         )
         self.zeros = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
         self.cu = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # One logits buffer for every captured size (outside the graph pool), so the graphs do
         # not each keep a [bs, vocab] output alive.
         # With TP the graphs end at this rank's vocabulary shard: whether to gather the whole
@@ -95,21 +124,7 @@ class CudaGraphRunner:
         return model.compute_logits(hidden, out=self.logits[:bs])
 
     def capture(self) -> None:
-        start = time.perf_counter()
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
-        pool = torch.cuda.graph_pool_handle()
-        with capture_guarded():
-            for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory
-                self._run(bs)  # warm-up outside the graph: compiles kernels, settles allocations
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._run(bs)
-                self.graphs[bs] = graph
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+        self.graphs, self.capture_seconds, self.memory_bytes = capture_graphs(self.batch_sizes, self._run)
         log.info(
             "captured %d CUDA graphs (batch sizes %d..%d) in %.1f s using %.2f GiB",
             len(self.graphs),
@@ -120,12 +135,7 @@ class CudaGraphRunner:
         )
 
     def release(self) -> None:
-        """Free every captured graph. Graphs holding NCCL collectives keep their communicator
-        busy: NCCL's teardown waits until they are gone (see distributed/parallel.py)."""
-        torch.cuda.synchronize(self.device)
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
+        release_graphs(self.graphs, self.device)
 
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_bs

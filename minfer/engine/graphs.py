@@ -3,12 +3,8 @@ passes (engine/prefill_graph.py)."""
 
 from __future__ import annotations
 
-import logging
-
 from minfer.engine.cuda_graph import CudaGraphRunner
 from minfer.engine.prefill_graph import MAX_REQUESTS, PrefillGraphRunner, prefill_graph_tokens
-
-log = logging.getLogger(__name__)
 
 
 def capture_cuda_graphs(engine) -> None:
@@ -23,11 +19,3 @@ def capture_cuda_graphs(engine) -> None:
         runner = PrefillGraphRunner(engine, tokens, min(engine.max_running_requests, MAX_REQUESTS))
         engine.prefill_graphs = runner
         engine.memory.graph_measured_bytes += runner.memory_bytes
-        log.info(
-            "captured %d prefill CUDA graphs (%d..%d tokens) in %.1f s using %.2f GiB",
-            len(runner.graphs),
-            runner.buckets[0],
-            runner.max_tokens,
-            runner.capture_seconds,
-            runner.memory_bytes / (1 << 30),
-        )

@@ -22,14 +22,16 @@ scores and computes their logits after the replay, as for an eager pass.
 
 from __future__ import annotations
 
-import time
+import logging
 
 import torch
 
 from minfer.attention.base import AttentionMetadata, ForwardContext
 from minfer.device import to_device
-from minfer.engine.cuda_graph import capture_guarded
+from minfer.engine.cuda_graph import capture_graphs, release_graphs
 from minfer.kernels.attention_extend import LONG_EXTEND, extend_tiles, launch_config
+
+log = logging.getLogger(__name__)
 
 # A graphed pass holds up to this many requests (the offline benchmark's 8192-token chunks hold
 # 6-18; 8192 tokens of 100-token prompts, 82). A bucket's tile map has room for one partial tile
@@ -141,7 +143,6 @@ class PrefillGraphRunner:
         # map. Every part starts at a multiple of 16 entries (the kernels' pointer alignment).
         self.width = _round16(max_requests + 2)  # + the padding request, + cu's extra entry
         self.meta: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Every graph's output, written by its last kernel: kept outside the graph pool, so
         # that the pool holds one bucket's intermediates rather than every bucket's output.
         self.hidden = torch.empty((max_tokens, engine.hf_config.hidden_size), dtype=engine.dtype, device=dev)
@@ -166,30 +167,20 @@ class PrefillGraphRunner:
         self.hidden[:tokens].copy_(hidden)
 
     def capture(self) -> None:
-        start = time.perf_counter()
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
-        pool = torch.cuda.graph_pool_handle()
-        with capture_guarded():
-            for tokens in reversed(self.buckets):  # largest first: smaller ones reuse its memory
-                # A pass of one request holding the whole bucket in its padding: a valid layout.
-                host = self._host_meta(tokens, [], [], [])
-                self.meta[tokens] = to_device(host, torch.int32, self.device)
-                self._run(tokens)  # warm-up outside the graph: compiles kernels, settles allocations
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._run(tokens)
-                self.graphs[tokens] = graph
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+        for tokens in self.buckets:  # a pass of one request holding the whole bucket in its padding
+            self.meta[tokens] = to_device(self._host_meta(tokens, [], [], []), torch.int32, self.device)
+        self.graphs, self.capture_seconds, self.memory_bytes = capture_graphs(self.buckets, self._run)
+        log.info(
+            "captured %d prefill CUDA graphs (%d..%d tokens) in %.1f s using %.2f GiB",
+            len(self.graphs),
+            self.buckets[0],
+            self.max_tokens,
+            self.capture_seconds,
+            self.memory_bytes / (1 << 30),
+        )
 
     def release(self) -> None:
-        torch.cuda.synchronize(self.device)
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
+        release_graphs(self.graphs, self.device)
 
     def can_run(self, extend_lens: list[int]) -> bool:
         return (
