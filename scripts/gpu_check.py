@@ -693,14 +693,19 @@ def rotated_graph_us(make_call, weights: list[torch.Tensor], reps: int = 10) -> 
 
 def gemm_configs_us(x: torch.Tensor, weights: list[torch.Tensor]) -> list[tuple[float, tuple]]:
     """(us, config) of the split-K GEMM for tiles 16-64 x 32-128, BK 64-256, 1-16 K splits,
-    3-4 stages, 4 warps (8 for 128-wide tiles); tiles taller than the batch and more splits
-    than K blocks are skipped."""
+    3-4 stages, 4 warps (8 for 128-wide tiles); from 128 rows, tiles 64-128 x 64-256, BK 64-128,
+    1-8 splits, 4 or 8 warps. Tiles taller than the batch and more splits than K blocks are
+    skipped."""
     m, k = x.shape
     results = []
-    for bm, bn, bk, split, stages, warps in itertools.product(
-        (16, 32, 64), (32, 64, 128), (64, 128, 256), (1, 2, 3, 4, 6, 8, 16), (3, 4), (4, 8)
-    ):
-        if bm > max(16, triton.next_power_of_2(m)) or k // bk < split or (warps == 8 and bn < 128):
+    if m >= 128:  # compute-bound rows: tensor-core-sized tiles (two warpgroups at 128 rows)
+        space = ((64, 128), (64, 128, 256), (64, 128), (1, 2, 4, 8), (3, 4), (4, 8))
+    else:
+        space = ((16, 32, 64), (32, 64, 128), (64, 128, 256), (1, 2, 3, 4, 6, 8, 16), (3, 4), (4, 8))
+    for bm, bn, bk, split, stages, warps in itertools.product(*space):
+        if bm > max(16, triton.next_power_of_2(m)) or k // bk < split:
+            continue
+        if m < 128 and warps == 8 and bn < 128:
             continue
         cfg = (bm, bn, bk, split, warps, stages)
         try:
