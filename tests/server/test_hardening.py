@@ -275,6 +275,26 @@ def test_half_sent_requests_are_closed(server):
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_header_limit(server):
+    """The request line and headers may take 32 KiB (server/connection.py); more is a 400 and the
+    connection closes, less is served."""
+
+    def answer(header_bytes: int) -> bytes:
+        sock = raw_connection(server)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * header_bytes + b"\r\n\r\n")
+        sock.settimeout(10)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+            if b"\r\n\r\n" in data and header_bytes < 32 * 1024:
+                break
+        sock.close()
+        return data
+
+    assert answer(16 * 1024).startswith(b"HTTP/1.1 200")
+    assert answer(40 * 1024).startswith(b"HTTP/1.1 400")
+
+
 def test_request_timeout(keyed):
     body = {"prompt": "hi", "max_tokens": 3000, "ignore_eos": True, "timeout": 0.3}
     start = time.monotonic()
