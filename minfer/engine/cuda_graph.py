@@ -39,10 +39,11 @@ def capture_guarded():
             gc.enable()
 
 
-def capture_graphs(sizes: list[int], run) -> tuple[dict[int, torch.cuda.CUDAGraph], float, int]:
+def capture_graphs(sizes: list[int], run, what: str) -> tuple[dict[int, torch.cuda.CUDAGraph], int]:
     """One graph of `run(size)` per size, in one memory pool, largest first (smaller ones reuse
     its memory); each run once outside its graph first (that compiles kernels and settles
-    allocations). Returns (graphs by size, seconds, device bytes the capture took)."""
+    allocations). Logs the capture (`what`: the graphs, as the log line names them). Returns
+    (graphs by size, device bytes the capture took)."""
     start = time.perf_counter()
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
@@ -57,7 +58,10 @@ def capture_graphs(sizes: list[int], run) -> tuple[dict[int, torch.cuda.CUDAGrap
                 run(size)
             graphs[size] = graph
     torch.cuda.synchronize()
-    return graphs, time.perf_counter() - start, free_before - torch.cuda.mem_get_info()[0]
+    memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+    seconds = time.perf_counter() - start
+    log.info("captured %d %s in %.1f s using %.2f GiB", len(graphs), what, seconds, memory_bytes / (1 << 30))
+    return graphs, memory_bytes
 
 
 def release_graphs(graphs: dict[int, torch.cuda.CUDAGraph], device: torch.device) -> None:
@@ -67,6 +71,30 @@ def release_graphs(graphs: dict[int, torch.cuda.CUDAGraph], device: torch.device
     for graph in graphs.values():
         graph.reset()
     graphs.clear()
+
+
+class GraphInputs:
+    """The token buffers a captured pass reads: ids, positions, and the KV slot each token's
+    K/V goes to (entries past the pass point at the pool's scratch slot)."""
+
+    def __init__(self, size: int, scratch_slot: int, device: torch.device):
+        self.scratch_slot = scratch_slot
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.out_loc = torch.full((size,), scratch_slot, dtype=torch.int64, device=device)
+
+    def stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor, padded: int
+    ) -> None:
+        """Copy in a pass of n tokens that its graph runs padded to `padded` rows. The padding
+        rows' K/V go to the scratch slot, never to a slot a real request owns (stale entries
+        from an earlier, larger pass would be real slots)."""
+        n = input_ids.shape[0]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.out_loc[:n].copy_(out_loc)
+        if padded > n:
+            self.out_loc[n:padded].fill_(self.scratch_slot)
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -83,11 +111,8 @@ class CudaGraphRunner:
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         dev = self.device
-        self.scratch_slot = engine.kv_pool.scratch_slot
         self.padding_row = engine.page_table.padding_row
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.out_loc = torch.full((self.max_bs,), self.scratch_slot, dtype=torch.int64, device=dev)
+        self.inputs = GraphInputs(self.max_bs, engine.kv_pool.scratch_slot, dev)
         # Row 0: page-table row per request; row 1: sequence length after this step.
         self.meta = torch.tensor(
             [[self.padding_row] * self.max_bs, [1] * self.max_bs], dtype=torch.int32, device=dev
@@ -114,25 +139,18 @@ class CudaGraphRunner:
             extend_lens_cpu=[1] * bs,
             max_extend_len=1,
         )
-        return ForwardContext(meta, self.engine.kv_pool, self.engine.backend, self.out_loc[:bs])
+        return ForwardContext(meta, self.engine.kv_pool, self.engine.backend, self.inputs.out_loc[:bs])
 
     def _run(self, bs: int) -> torch.Tensor:
         model = self.engine.model
-        hidden = model(self.input_ids[:bs], self.positions[:bs], self._context(bs))
+        hidden = model(self.inputs.input_ids[:bs], self.inputs.positions[:bs], self._context(bs))
         if self.engine.tp.size > 1:
             return model.shard_logits(hidden, out=self.logits[:bs])
         return model.compute_logits(hidden, out=self.logits[:bs])
 
     def capture(self) -> None:
-        self.graphs, self.capture_seconds, self.memory_bytes = capture_graphs(self.batch_sizes, self._run)
-        log.info(
-            "captured %d CUDA graphs (batch sizes %d..%d) in %.1f s using %.2f GiB",
-            len(self.graphs),
-            self.batch_sizes[0],
-            self.max_bs,
-            self.capture_seconds,
-            self.memory_bytes / (1 << 30),
-        )
+        what = f"CUDA graphs (batch sizes {self.batch_sizes[0]}..{self.max_bs})"
+        self.graphs, self.memory_bytes = capture_graphs(self.batch_sizes, self._run, what)
 
     def release(self) -> None:
         release_graphs(self.graphs, self.device)
@@ -150,11 +168,7 @@ class CudaGraphRunner:
     ) -> torch.Tensor:
         n = len(table_idx)
         bs = next(s for s in self.batch_sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.out_loc[:n].copy_(out_loc)
-        if bs > n:  # stale slots from a larger batch must not receive padded rows' K/V
-            self.out_loc[n:bs].fill_(self.scratch_slot)
+        self.inputs.stage(input_ids, positions, out_loc, bs)
         pad = bs - n
         meta = to_device(
             [table_idx + [self.padding_row] * pad, [p + 1 for p in prefix_lens] + [1] * pad],

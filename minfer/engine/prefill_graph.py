@@ -22,16 +22,12 @@ scores and computes their logits after the replay, as for an eager pass.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from minfer.attention.base import AttentionMetadata, ForwardContext
 from minfer.device import to_device
-from minfer.engine.cuda_graph import capture_graphs, release_graphs
+from minfer.engine.cuda_graph import GraphInputs, capture_graphs, release_graphs
 from minfer.kernels.attention_extend import LONG_EXTEND, extend_tiles, launch_config
-
-log = logging.getLogger(__name__)
 
 # A graphed pass holds up to this many requests (the offline benchmark's 8192-token chunks hold
 # 6-18; 8192 tokens of 100-token prompts, 82). A bucket's tile map has room for one partial tile
@@ -131,13 +127,10 @@ class PrefillGraphRunner:
         self.max_tokens = max_tokens
         self.max_requests = max_requests
         dev = self.device
-        self.scratch_slot = engine.kv_pool.scratch_slot
         self.padding_row = engine.page_table.padding_row
         # The launch configuration every graphed pass takes (its longest extend is short).
         self.block_m = launch_config(LONG_EXTEND - 1, True, engine.kv_pool.quantized)[0]
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
-        self.out_loc = torch.full((max_tokens,), self.scratch_slot, dtype=torch.int64, device=dev)
+        self.inputs = GraphInputs(max_tokens, engine.kv_pool.scratch_slot, dev)
         # Per bucket one int32 buffer, filled by one host-to-device copy per replay: rows of
         # `self.width` for table_idx, prefix_lens, seq_lens and cu_extend_lens, then the tile
         # map. Every part starts at a multiple of 16 entries (the kernels' pointer alignment).
@@ -156,28 +149,24 @@ class PrefillGraphRunner:
 
     def _context(self, tokens: int) -> ForwardContext:
         meta = metadata_views(self.meta[tokens], self.width, tokens, self.engine.page_table.slots)
-        return ForwardContext(meta, self.engine.kv_pool, self.engine.backend, self.out_loc[:tokens])
+        return ForwardContext(meta, self.engine.kv_pool, self.engine.backend, self.inputs.out_loc[:tokens])
 
     def _host_meta(self, tokens: int, table_idx, prefix_lens, extend_lens) -> list[int]:
         args = (self.width, self._tile_width(tokens), self.block_m, self.padding_row)
         return pass_metadata(tokens, *args, table_idx, prefix_lens, extend_lens)
 
     def _run(self, tokens: int) -> None:
-        hidden = self.engine.model(self.input_ids[:tokens], self.positions[:tokens], self._context(tokens))
+        inputs = self.inputs
+        hidden = self.engine.model(
+            inputs.input_ids[:tokens], inputs.positions[:tokens], self._context(tokens)
+        )
         self.hidden[:tokens].copy_(hidden)
 
     def capture(self) -> None:
         for tokens in self.buckets:  # a pass of one request holding the whole bucket in its padding
             self.meta[tokens] = to_device(self._host_meta(tokens, [], [], []), torch.int32, self.device)
-        self.graphs, self.capture_seconds, self.memory_bytes = capture_graphs(self.buckets, self._run)
-        log.info(
-            "captured %d prefill CUDA graphs (%d..%d tokens) in %.1f s using %.2f GiB",
-            len(self.graphs),
-            self.buckets[0],
-            self.max_tokens,
-            self.capture_seconds,
-            self.memory_bytes / (1 << 30),
-        )
+        what = f"prefill CUDA graphs ({self.buckets[0]}..{self.max_tokens} tokens)"
+        self.graphs, self.memory_bytes = capture_graphs(self.buckets, self._run, what)
 
     def release(self) -> None:
         release_graphs(self.graphs, self.device)
@@ -202,12 +191,7 @@ class PrefillGraphRunner:
         Both are views of static buffers: use them before the next replay is queued."""
         n = input_ids.shape[0]
         tokens = next(b for b in self.buckets if b >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.out_loc[:n].copy_(out_loc)
-        # The padding request's K/V go to the scratch slot, never to a slot a real request owns
-        # (stale entries from an earlier, larger pass would be real slots).
-        self.out_loc[n:tokens].fill_(self.scratch_slot)
+        self.inputs.stage(input_ids, positions, out_loc, tokens)  # the padding request: scratch slot
         buf = self.meta[tokens]
         host = torch.tensor(self._host_meta(tokens, table_idx, prefix_lens, extend_lens), dtype=torch.int32)
         buf.copy_(host.pin_memory(), non_blocking=True)
