@@ -5,7 +5,6 @@
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --registers # fp8 launch constants, register cap
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --pipeline  # stage counts that buffer 2-4 deep
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --once fp8  # a few launches, for ncu
-    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --lanes     # fp8: CUDA-core loop vs tensor cores
 
 The engine's pool has page size 1, and decode appends one slot per request per step, so a
 request's keys end up scattered one row at a time. This times the decode kernel on the
@@ -236,94 +235,6 @@ def pipeline_sweep() -> None:
         torch.cuda.empty_cache()
 
 
-# (lanes, keys per step, warps, stages, register cap) of the fp8 pool's CUDA-core key loop
-# (decode_lanes.py) for --lanes; lanes 0 is the tensor-core loop at its defaults.
-LANE_CONFIGS = [(0, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS)] + [
-    (lanes, lanes * depth, warps, stages, None)
-    for lanes, depth, warps, stages in [
-        (16, 2, 4, 1),
-        (16, 4, 4, 1),
-        (16, 4, 4, 2),
-        (16, 4, 4, 3),
-        (16, 8, 4, 1),
-        (16, 8, 4, 2),
-        (32, 2, 4, 1),
-        (32, 2, 4, 2),
-        (32, 4, 4, 1),
-        (32, 2, 8, 1),
-        (32, 4, 8, 1),
-        (8, 4, 4, 1),
-        (8, 8, 4, 1),
-        (64, 2, 8, 1),
-    ]
-]
-
-
-class LaunchSpy:
-    """Stands in for the decode kernel in attention_decode's namespace and keeps the compiled
-    kernel of the last launch, whose register and spill counts the sweep prints."""
-
-    def __init__(self, kernel):
-        self.kernel, self.last = kernel, None
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.last = launch(*args, **kwargs)
-            return self.last
-
-        return run
-
-
-def set_lanes(config) -> None:
-    lanes, block_n, ad.NUM_WARPS, ad.NUM_STAGES, cap = config
-    ad.FP8_LANES = lanes
-    if lanes:
-        ad.FP8_LANES_BLOCK_N, ad.FP8_LANES_MAX_REGISTERS = block_n, cap
-    else:
-        ad.FP8_BLOCK_N, ad.FP8_MAX_REGISTERS = block_n, cap
-
-
-def lanes_sweep() -> None:
-    """The fp8 pool's key loop on CUDA cores (LANE_CONFIGS) against the tensor-core loop, per
-    model and batch size, graph-timed, with each launch's registers and its error against the
-    torch reference."""
-    saved = (ad.FP8_LANES, ad.FP8_LANES_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_LANES_MAX_REGISTERS)
-    spy = LaunchSpy(ad._decode_split_kernel)
-    ad._decode_split_kernel = spy
-    for model in MODELS:
-        for batch_size in BATCHES:
-            q, pools, common, values = build(model, draw(batch_size), 1)
-            k_pool, v_pool, scales = pools["fp8"]
-            ref = (
-                ad.decode_attention_reference(q, k_pool, v_pool, *common, **scales)
-                if batch_size == 16
-                else None
-            )
-            for config in LANE_CONFIGS:
-                set_lanes(config)
-                try:
-                    out = ad.decode_attention(q, k_pool, v_pool, *common, **scales)
-                    t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
-                except Exception as exc:  # out of shared memory or registers for this configuration
-                    print(
-                        f"{model} B={batch_size} {config}: {type(exc).__name__} {str(exc)[:200]}", flush=True
-                    )
-                    continue
-                err = f" err {(out.float() - ref.float()).abs().max().item():.2e}" if ref is not None else ""
-                regs = f"regs {spy.last.n_regs} spills {spy.last.n_spills}"
-                print(
-                    f"{model:13s} B={batch_size:3d} {str(config):28s} {t:7.1f} us {values / t / 1e6:4.2f} TB/s {regs}{err}",
-                    flush=True,
-                )
-            del pools
-            torch.cuda.empty_cache()
-    ad.FP8_LANES, ad.FP8_LANES_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_LANES_MAX_REGISTERS = saved
-    ad.FP8_BLOCK_N, ad.FP8_MAX_REGISTERS = DEFAULTS[0], DEFAULTS[3]
-    ad._decode_split_kernel = spy.kernel
-
-
 def once(dtype: str, batch_size: int) -> None:
     q, pools, common, _ = build("qwen3-0.6b", draw(batch_size), 1)
     k_pool, v_pool, scales = pools[dtype]
@@ -339,13 +250,8 @@ def main() -> None:
     parser.add_argument("--splits", action="store_true", help="time split counts at 16-96 running")
     parser.add_argument("--registers", action="store_true", help="sweep the fp8 launch and its register cap")
     parser.add_argument("--pipeline", action="store_true", help="time deeper load pipelines for both pools")
-    parser.add_argument(
-        "--lanes", action="store_true", help="fp8: the CUDA-core key loop against tensor cores"
-    )
     args = parser.parse_args()
-    if args.lanes:
-        lanes_sweep()
-    elif args.pipeline:
+    if args.pipeline:
         pipeline_sweep()
     elif args.registers:
         register_sweep()

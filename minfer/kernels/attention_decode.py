@@ -30,7 +30,6 @@ import triton.language as tl
 
 from minfer.kernels.attention_merge import merge_splits
 from minfer.kernels.common import attend_blocks, fp8_pool_operand, gather_rows, num_sms
-from minfer.kernels.decode_lanes import attend_lanes
 from minfer.kernels.new_kv import NewKV, decode_prologue_args, finish_decode_token
 
 LOG2E = 1.4426950408889634
@@ -50,13 +49,6 @@ NUM_STAGES = 3
 # 185 us at B=256 (a cap of 128 spills and is slower, 209 us). The bf16 kernel already uses 128
 # and four fit. scripts/gpu_decode_layout.py --registers sweeps it.
 FP8_MAX_REGISTERS = 168
-# An fp8 pool and a GQA group of at most FP8_LANES_MAX_GROUP query heads per kv head: the key
-# loop on CUDA cores (decode_lanes.py), FP8_LANES lanes of FP8_LANES_BLOCK_N // FP8_LANES keys
-# per step. FP8_LANES = 0 keeps every pool on the tensor-core loop.
-FP8_LANES = 16
-FP8_LANES_BLOCK_N = 64
-FP8_LANES_MAX_GROUP = 4
-FP8_LANES_MAX_REGISTERS = None
 
 
 @triton.jit
@@ -105,7 +97,6 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    LANES: tl.constexpr,
 ):
     # Grid (kv head, request, split), kv head fastest: the programs of one request's heads, which
     # read neighbouring parts of the same slot rows, run side by side. H200, CUDA-graph timed,
@@ -177,52 +168,35 @@ def _decode_split_kernel(
             mask=h_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
     if KV_SCALED:  # an fp8 cache: K's scale folds into the scores, V's into the output
         sm_scale_log2 = sm_scale_log2 * k_scale
+        q = fp8_pool_operand(q)
     # The new token sees every cached key: bounds masking only, no causal mask (q_pos unused).
-    if LANES:  # CUDA-core products (decode_lanes.py says when and why)
-        m_i, l_i, acc = attend_lanes(
-            q,
-            page_row,
-            k_head,
-            v_head,
-            stride_ks,
-            stride_vs,
-            start,
-            end,
-            sm_scale_log2,
-            offs_d,
-            d_mask,
-            LANES,
-            BLOCK_N // LANES,
-        )
-    else:
-        if KV_SCALED:
-            q = fp8_pool_operand(q)
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        m_i, l_i, acc = attend_blocks(
-            q,
-            m_i,
-            m_i,
-            l_i,
-            acc,
-            page_row,
-            k_head,
-            v_head,
-            stride_ks,
-            stride_vs,
-            start,
-            end,
-            sm_scale_log2,
-            offs_n,
-            offs_d,
-            d_mask,
-            True,
-            False,
-            BLOCK_N,
-        )
+    m_i, l_i, acc = attend_blocks(
+        q,
+        m_i,
+        m_i,
+        l_i,
+        acc,
+        page_row,
+        k_head,
+        v_head,
+        stride_ks,
+        stride_vs,
+        start,
+        end,
+        sm_scale_log2,
+        offs_n,
+        offs_d,
+        d_mask,
+        True,
+        False,
+        BLOCK_N,
+    )
 
     # An empty slice (split past the end) has l_i = 0: its output is 0 and its lse -inf.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -287,8 +261,7 @@ def decode_attention(
     assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
     assert page_table.stride(-1) == 1
     group = num_heads // num_kv_heads
-    lanes = FP8_LANES if k_scale is not None and group <= FP8_LANES_MAX_GROUP else 0
-    block_n = FP8_LANES_BLOCK_N if lanes else FP8_BLOCK_N if k_scale is not None else BLOCK_N
+    block_n = FP8_BLOCK_N if k_scale is not None else BLOCK_N
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, page_table.shape[1], q.device, block_n)
     if out is None:
@@ -302,8 +275,7 @@ def decode_attention(
     if batch == 0:
         return out
     prologue, prologue_strides = decode_prologue_args(new_kv, q, seq_lens)
-    cap = FP8_LANES_MAX_REGISTERS if lanes else FP8_MAX_REGISTERS if k_scale is not None else None
-    register_cap = {"maxnreg": cap} if cap else {}
+    register_cap = {"maxnreg": FP8_MAX_REGISTERS} if k_scale is not None and FP8_MAX_REGISTERS else {}
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q,
         k_pool,
@@ -335,10 +307,9 @@ def decode_attention(
         KV_SCALED=k_scale is not None,
         NEW_KV=new_kv is not None,
         HAS_NORM=new_kv is not None and new_kv.q_norm_weight is not None,
-        BLOCK_H=triton.next_power_of_2(group) if lanes else max(16, triton.next_power_of_2(group)),
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
-        LANES=lanes,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
         **register_cap,
