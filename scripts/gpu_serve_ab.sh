@@ -9,7 +9,7 @@ serve_and_bench() {  # label, pythonpath, port
   # python -m puts the working directory first on sys.path: start each server from its own tree
   (cd $pp && PYTHONPATH=/tmp/site exec python3 -m minfer serve $ROOT/.gpu/qwen3-0.6b --load-format dummy --port $port --log-stats-interval 0) > $OUT/$label.log 2>&1 &
   local pid=$!
-  for _ in $(seq 240); do curl -sf http://127.0.0.1:$port/health > /dev/null && break; sleep 1; done
+  for _ in $(seq 240); do curl -sf http://127.0.0.1:$port/health > /dev/null && break; kill -0 $pid 2>/dev/null || { echo "$label server died"; tail -20 $OUT/$label.log; return 1; }; sleep 1; done
   for run in warm 1 2; do
     local extra=""; [ $run = warm ] && extra="--num-prompts 64 --seed 7"
     PYTHONPATH=/tmp/site:$PWD python3 -m minfer bench serve --base-url http://127.0.0.1:$port --no-progress --client-processes 4 \
