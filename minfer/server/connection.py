@@ -5,7 +5,8 @@ Why httptools and not h11: both parse HTTP for uvicorn, but h11 is pure Python o
 and every streamed chunk, and the api server's one event loop writes every stream (~43,000 SSE
 chunks a second at 256 streams on an H200). On a 2-core machine `GET /v1/models` over 32
 connections took 267 us per request through h11 and 188-207 us through httptools
-(scripts/api_request_cost.py, docs/BENCHMARKS.md twelfth session).
+(scripts/api_request_cost.py, docs/BENCHMARKS.md twelfth session); on an H200 host, where the
+api process no longer bounds `bench serve`, the two serve alike (thirteenth session).
 
 uvicorn closes an idle keep-alive connection (`timeout_keep_alive`) but waits forever for the
 headers of a connection's first request and for a request body that stops halfway: 1,500
