@@ -13,13 +13,11 @@ Pass 1 can also do rope_store's work in its prologue (`new_kv`, used for small d
 attention/triton_backend.py says when): each program normalises and rotates its q group, and
 the program whose slice holds the new position writes the new K/V to the pool before its loop.
 
-Why the number of splits is fixed per launch and chosen from static sizes only: a CUDA graph
-replays the launch grid it captured, so the grid may not depend on this step's lengths. The
-split count comes from the batch size (fixed per captured graph), the number of kv heads and
-the page table's width (the longest sequence the engine can hold); each program then derives
-its slice from `seq_lens` on the device: slice = ceil(seq_len / splits), rounded up to the
-key block. Splits past the end of a short sequence find an empty slice, write lse = -inf and
-are weighted zero by the merge. With one split the first pass writes the output directly.
+The split count is fixed per launch from static sizes (a CUDA graph replays the grid it
+captured): the batch size, the number of kv heads and the page table's width. Each program
+derives its slice from `seq_lens` on the device (ceil(seq_len / splits), rounded up to the key
+block); a split past a short sequence's end writes lse = -inf and the merge weighs it zero.
+With one split the first pass writes the output directly.
 """
 
 from __future__ import annotations
@@ -29,14 +27,20 @@ import triton
 import triton.language as tl
 
 from minfer.kernels.attention_merge import merge_splits
-from minfer.kernels.common import attend_blocks, fp8_pool_operand, gather_rows, num_sms
+from minfer.kernels.common import (
+    attend_blocks,
+    fp8_pool_operand,
+    gather_rows,
+    num_sms,
+    pdl_enabled,
+    release_dependents,
+)
 from minfer.kernels.new_kv import NewKV, decode_prologue_args, finish_decode_token
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
-# GPU launch configuration of pass 1; scripts/gpu_check.py --sweep times alternatives. With it,
-# on an H200 in bf16: Llama-8B heads, B=256, mean context 1028: 287 us, 3.77 TB/s of K/V read
-# (88% of the 4.26 TB/s copy ceiling).
+# Pass 1's launch configuration (scripts/gpu_check.py --sweep): on an H200 in bf16, Llama-8B heads,
+# B=256, mean context 1028: 287 us, 3.77 TB/s of K/V read (88% of the 4.26 TB/s copy ceiling).
 BLOCK_N = 64  # keys per inner step
 # An fp8 pool: 128 keys per step (the fourth session's eagerly timed sweep; the eighth session's
 # graph-timed one, with the register cap below, found it best at B=16, 64 and 256).
@@ -97,7 +101,9 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_dependents(PDL)  # without a merge pass, the o_proj gemv may read its weights meanwhile
     # Grid (kv head, request, split), kv head fastest: the programs of one request's heads, which
     # read neighbouring parts of the same slot rows, run side by side. H200, CUDA-graph timed,
     # Qwen3-0.6B heads, B=256 ctx~1024 (scripts/gpu_decode_layout.py, which had the other order
@@ -310,6 +316,7 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
+        PDL=num_splits == 1 and pdl_enabled(q.device),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
         **register_cap,

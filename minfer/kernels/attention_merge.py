@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minfer.kernels.common import pdl_enabled, release_dependents
+
 
 @triton.jit
 def _decode_merge_kernel(
@@ -22,7 +24,9 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_dependents(PDL)  # the o_proj gemv may read its weights meanwhile
     b = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -63,6 +67,7 @@ def merge_splits(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tens
         HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        PDL=pdl_enabled(out.device),
         num_warps=4,
     )
     return out

@@ -17,6 +17,26 @@ INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @functools.cache
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` use programmatic dependent launch (minfer.kernels.gemv):
+    compiled kernels (not the interpreter) on compute capability 9.0 or later, unless
+    MINFER_PDL=0 (for A/B runs)."""
+    if INTERPRET or device.type != "cuda" or os.environ.get("MINFER_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr):
+    """Let the next kernel on the stream start now if it was launched with programmatic
+    dependent launch (the gemv after an RMSNorm, a SiLU-and-multiply or attention): it reads its
+    weights meanwhile and waits for this kernel's writes with `gdc_wait`. Kernels launched
+    without the attribute still start only when this one has finished."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device, which launch heuristics size grids by; off
     CUDA (the interpreter) a small stand-in, so the tests exercise split launches."""

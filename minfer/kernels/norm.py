@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minfer.kernels.common import pdl_enabled, release_dependents
+
 
 @triton.jit
 def _rmsnorm_kernel(
@@ -35,7 +37,9 @@ def _rmsnorm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     TERMS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_dependents(PDL)  # a gemv after the norm may read its weights meanwhile
     # Rows of a [outer, inner, DIM] view; outputs are contiguous [rows, DIM].
     row = tl.program_id(0).to(tl.int64)
     outer = row // inner_rows
@@ -122,6 +126,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
             BLOCK=triton.next_power_of_2(dim),
             HAS_RESIDUAL=residual is not None,
             TERMS=terms,
+            PDL=pdl_enabled(x.device),
             num_warps=_num_warps(dim),
         )
     return out if residual is None else (out, residual_out)

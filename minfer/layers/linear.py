@@ -18,17 +18,21 @@ from torch import nn
 from minfer.distributed.parallel import SINGLE, TPGroup
 from minfer.layers.quantized_linear import LowBitWeight
 
-# Decode-sized GEMMs on CUDA go to minfer.kernels.gemm (split over K so every SM reads a slice
-# of the weights); MINFER_SMALL_GEMM=cublas keeps them on cuBLAS, for A/B measurements.
+# Decode-sized GEMMs on CUDA go to minfer.kernels.gemv (a few rows: weights read before x is
+# ready) or minfer.kernels.gemm (split over K so every SM reads a slice of the weights);
+# MINFER_SMALL_GEMM=cublas keeps them on cuBLAS, for A/B measurements.
 _SMALL_GEMM = os.environ.get("MINFER_SMALL_GEMM", "triton")
 _HALF = (torch.bfloat16, torch.float16)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if x.is_cuda and x.dtype in _HALF and _SMALL_GEMM == "triton":
-        from minfer.kernels import gemm
+        from minfer.kernels import gemm, gemv
 
-        if gemm.suits(x.numel() // x.shape[-1], weight):
+        rows = x.numel() // x.shape[-1]
+        if gemv.suits(rows, weight):
+            return gemv.gemv(x, weight, bias)
+        if gemm.suits(rows, weight):
             return gemm.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -40,3 +40,16 @@ def test_greedy_matches_transformers(tiny_model, page_size, overlap):
     # Every slot went back to the allocator (the naive part) or the prefix cache.
     kv = llm.scheduler.kv
     assert kv.allocator.num_free_pages + kv.prefix_cache.cached_pages == kv.num_pages
+
+
+def test_single_stream_matches_transformers(tiny_model):
+    """One request decoding alone: on a GPU its GEMMs are one-row products (minfer.kernels.gemv,
+    started early by programmatic dependent launch), the path of a batch-1 decode step."""
+    arch, path, hf = tiny_model
+    prompt = _prompts(2, [29])[0]
+    expected = hf_greedy(hf, prompt, 16)
+    llm = LLM(path, kv_cache_tokens=256)
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert_greedy_parity(hf, prompt, out.token_ids, expected, near_tie_gap(llm.engine.dtype))

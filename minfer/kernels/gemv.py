@@ -1,0 +1,137 @@
+"""Batch-1 (and few-row) GEMV in Triton: y = x @ w.T (+ bias) with the weights read before x exists.
+
+Why a second small-GEMM kernel beside minfer.kernels.gemm: at one row a decode GEMM is a read of
+its weights, and the split-K kernel still pays ~4 us per launch above those bytes (a first load's
+DRAM latency, a K loop with few loads in flight, the split reduction). Here every program loads
+its whole [BLOCK_N, K] slice of the weights in one go (all of its loads in flight at once, no K
+loop, no split, so no reduction), and only then waits for x.
+
+The wait is programmatic dependent launch (Hopper and later): the kernel is launched with
+`launch_pdl`, so it may start while the kernel before it (an RMSNorm, the SiLU-and-multiply, the
+attention merge, which release their dependents as they start) is still running. Its weight
+loads then overlap that kernel; `gdc_wait` blocks until the previous kernel has finished and its
+writes are visible, and nothing that kernel writes (x) is read, and nothing is written, before
+it. Weights and bias are constant for the engine's life, which is what makes the early read safe.
+
+The sum over K runs in fp32 on CUDA cores (a reduction across the tile), so the result differs
+from cuBLAS's only in summation order. Rows of x may be strided; the last dim must be contiguous.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from minfer.kernels.common import num_sms, pdl_enabled
+
+MAX_ROWS = 4  # each row re-reads the slice from registers; beyond a few rows gemm.linear wins
+MAX_K = 16384  # the whole K of one output row must fit one program's registers
+# Weight elements one program holds (32 KB of bf16: 64 registers per thread over 8 warps).
+_SLICE_ELEMENTS = 16384
+# MINFER_GEMV=off sends these products back to minfer.kernels.gemm / cuBLAS, for A/B runs.
+_GEMV = os.environ.get("MINFER_GEMV", "on")
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    k_mask = offs_k < K
+    # Constant inputs first: they do not depend on the kernel this one may overlap.
+    w = tl.load(
+        w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+        mask=n_mask[:, None] & k_mask[None, :],
+        other=0.0,
+    )
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel has finished: x is written
+        tl.extra.cuda.gdc_launch_dependents()
+    for m in tl.static_range(ROWS):
+        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if HAS_BIAS:
+            acc += bias
+        tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def choose_config(n: int, k: int, num_sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): BLOCK_K covers all of K; BLOCK_N output rows per program,
+    at most _SLICE_ELEMENTS weights each, and fewer while that leaves under 1.5 programs per SM
+    (so most SMs have the loads of two programs in flight)."""
+    block_k = triton.next_power_of_2(k)
+    block_n = max(1, min(64, _SLICE_ELEMENTS // block_k))
+    while block_n > 1 and triton.cdiv(n, block_n) < num_sms * 3 // 2:
+        block_n //= 2
+    return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
+
+
+def suits(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `gemv` should take this product (few rows, K within one program's registers)."""
+    return 1 <= rows <= MAX_ROWS and weight.shape[1] <= MAX_K and _GEMV != "off"
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N] in x's dtype, accumulated in fp32,
+    for at most MAX_ROWS rows of x."""
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    if k > MAX_K:
+        raise ValueError(f"K = {k} is over gemv's {MAX_K}: use minfer.kernels.gemm")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    assert weight.stride(-1) == 1
+    m = x2.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"{m} rows is over gemv's {MAX_ROWS}: use minfer.kernels.gemm")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    block_n, block_k, warps = config or choose_config(n, k, num_sms(x.device))
+    pdl = pdl_enabled(x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x2,
+        weight,
+        bias if bias is not None else out,
+        out,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        ROWS=m,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PDL=pdl,
+        num_warps=warps,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return out.reshape(*x.shape[:-1], n)

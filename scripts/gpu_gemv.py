@@ -1,0 +1,176 @@
+"""Time minfer.kernels.gemv against the split-K GEMM and cuBLAS at decode shapes, on the GPU.
+
+Two measurements, both replayed from CUDA graphs (what the engine's decode steps are):
+1. One GEMM shape at a time: 64 calls in a graph, each on its own copy of the weights when one
+   copy would fit the 60 MB L2 (a decode step reads every weight once, from DRAM). Prints
+   us per call and the weight bytes over that time. `--sweep` adds gemv's BLOCK_N and warps.
+2. A Qwen3-0.6B-shaped layer chain without attention, 28 layers in one graph: RMSNorm + residual,
+   qkv, o_proj (on the qkv output's first 2048 features), RMSNorm + residual, gate_up,
+   SiLU-and-multiply, down. Small GEMMs through gemm.linear, through gemv without programmatic
+   dependent launch, and through gemv with it (the norms and the SiLU release the gemv early).
+   Prints us per layer and checks every variant's output against the first.
+
+Run from the repository root on the GPU host:
+    PYTHONPATH=$PWD python3 scripts/gpu_gemv.py [--sweep] [--rows 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT]
+if importlib.util.find_spec("msgspec") is None:  # as scripts/gpu_check.py: kernels need torch only
+    package = types.ModuleType("minfer")
+    package.__path__ = [os.path.join(ROOT, "minfer")]
+    sys.modules["minfer"] = package
+
+from minfer.kernels import common, gemm, gemv  # noqa: E402
+from minfer.kernels.activation import silu_and_mul  # noqa: E402
+from minfer.kernels.norm import rmsnorm  # noqa: E402
+
+DEVICE = torch.device("cuda")
+DTYPE = torch.bfloat16
+COPY_CEILING = 4.26e12
+L2_BYTES = 60 << 20
+SHAPES = {  # (N, K) of y = x @ w.T
+    "qwen3-0.6b qkv": (4096, 1024),
+    "qwen3-0.6b o_proj": (1024, 2048),
+    "qwen3-0.6b gate_up": (6144, 1024),
+    "qwen3-0.6b down": (1024, 3072),
+    "llama-8b qkv": (6144, 4096),
+    "llama-8b o_proj": (4096, 4096),
+    "llama-8b gate_up": (28672, 4096),
+    "llama-8b down": (4096, 14336),
+}
+
+
+def set_pdl(on: bool) -> None:
+    os.environ["MINFER_PDL"] = "1" if on else "0"
+    common.pdl_enabled.cache_clear()
+
+
+def graph_us(fn, calls: int, replays: int = 20) -> float:
+    """Microseconds per call of fn(i) for i < calls, replayed from one CUDA graph."""
+    for i in range(calls):  # compile outside the capture
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (replays * calls))
+    return best
+
+
+def shape_table(rows_list: list[int], sweep: bool) -> None:
+    print("\n== one GEMM shape, 64 calls per graph (us per call, weight TB/s) ==", flush=True)
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(1, min(64, -(-2 * L2_BYTES // nbytes)))
+        weights = [torch.randn((n, k), device=DEVICE, dtype=DTYPE) for _ in range(copies)]
+        for m in rows_list:
+            x = torch.randn((m, k), device=DEVICE, dtype=DTYPE)
+            ref = F.linear(x.float(), weights[0].float())
+            variants = {
+                "cublas": lambda i: F.linear(x, weights[i % copies]),
+                "splitk": lambda i: gemm.linear(x, weights[i % copies]),
+            }
+            for pdl in (False, True):
+                variants[f"gemv pdl={int(pdl)}"] = (
+                    lambda p: lambda i: (set_pdl(p), gemv.gemv(x, weights[i % copies]))[1]
+                )(pdl)
+            configs = [gemv.choose_config(n, k, common.num_sms(DEVICE))]
+            if sweep:
+                bn, bk, _ = configs[0]
+                configs += [
+                    (b, bk, w) for b in (bn // 2, bn, bn * 2) for w in (4, 8) if b >= 1 and b * bk <= 32768
+                ]
+            for config in configs[1:]:
+                variants[f"gemv {config}"] = (
+                    lambda c: lambda i: gemv.gemv(x, weights[i % copies], config=c)
+                )(config)
+            cells = []
+            for label, fn in variants.items():
+                set_pdl(True)
+                out = fn(0)
+                err = (out.float() - ref).abs().max().item() / max(1.0, ref.abs().max().item())
+                us = graph_us(fn, 64)
+                cells.append(f"{label} {us:6.2f} us {nbytes / us / 1e6:5.2f} TB/s (err {err:.1e})")
+            set_pdl(True)
+            print(f"{name:20s} M={m}: " + " | ".join(cells), flush=True)
+
+
+def layer_chain(m: int) -> None:
+    hidden, inter, layers = 1024, 3072, 28
+    gen = torch.Generator().manual_seed(0)
+
+    def weight(*shape):
+        return (torch.randn(shape, generator=gen) * shape[-1] ** -0.5).to(DTYPE).to(DEVICE)
+
+    params = [
+        dict(
+            n1=weight(hidden) + 1,
+            qkv=weight(4096, hidden),
+            o=weight(hidden, 2048),
+            n2=weight(hidden) + 1,
+            gate_up=weight(2 * inter, hidden),
+            down=weight(hidden, inter),
+        )
+        for _ in range(layers)
+    ]
+    x0 = torch.randn((m, hidden), generator=gen).to(DTYPE).to(DEVICE)
+
+    def run(lin):
+        h, res = x0, torch.zeros_like(x0)
+        for p in params:
+            h, res = rmsnorm(h, p["n1"], 1e-6, res)
+            qkv = lin(h, p["qkv"])
+            h = lin(qkv[:, :2048], p["o"])
+            h, res = rmsnorm(h, p["n2"], 1e-6, res)
+            h = lin(silu_and_mul(lin(h, p["gate_up"])), p["down"])
+        return h + res
+
+    variants = [("splitk", False, gemm.linear), ("gemv", False, gemv.gemv), ("gemv+pdl", True, gemv.gemv)]
+    outputs, cells = [], []
+    for label, pdl, lin in variants:
+        set_pdl(pdl)
+        outputs.append(run(lin).float())
+        us = graph_us(lambda i: run(lin), 1, replays=50) / layers
+        diff = (outputs[-1] - outputs[0]).abs().max().item() / outputs[0].abs().max().item()
+        cells.append(f"{label} {us:6.2f} us/layer (max rel diff {diff:.1e})")
+    set_pdl(True)
+    print(f"qwen3-0.6b layer chain M={m}: " + " | ".join(cells), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time gemv's BLOCK_N and warps")
+    parser.add_argument("--rows", default="1,2,4", help="row counts (comma-separated, <= gemv.MAX_ROWS)")
+    args = parser.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    for m in rows_list:
+        layer_chain(m)
+    shape_table(rows_list, args.sweep)
+
+
+if __name__ == "__main__":
+    main()
