@@ -27,9 +27,16 @@ import triton.language as tl
 
 from minfer.kernels.common import num_sms, pdl_enabled
 
-MAX_ROWS = 4  # each row re-reads the slice from registers; beyond a few rows gemm.linear wins
+# Where it beats the split-K GEMM and cuBLAS on an H200 (scripts/gpu_gemv.py --sweep, CUDA-graph
+# timed, weights from DRAM): one row at every Qwen3-0.6B and Llama-3.1-8B shape (o_proj 5.05 ->
+# 2.20 us and 12.50 -> 9.59, gate_up 5.95 -> 4.21 and 55.5 -> 53.0); two rows with K up to 8192
+# (the second row's sum doubles the registers a slice needs, so slices are halved); from four rows
+# on, and at two rows of Llama's down (K = 14336), it loses to them.
+MAX_ROWS = 2
 MAX_K = 16384  # the whole K of one output row must fit one program's registers
-# Weight elements one program holds (32 KB of bf16: 64 registers per thread over 8 warps).
+MAX_K_TWO_ROWS = 8192
+# Weight elements one program holds: 32 KB of bf16 at one row (64 registers per thread over 8
+# warps), half of that at two rows.
 _SLICE_ELEMENTS = 16384
 # MINFER_GEMV=off sends these products back to minfer.kernels.gemm / cuBLAS, for A/B runs.
 _GEMV = os.environ.get("MINFER_GEMV", "on")
@@ -75,20 +82,23 @@ def _gemv_kernel(
         tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def choose_config(n: int, k: int, num_sms: int) -> tuple[int, int, int]:
+def choose_config(n: int, k: int, num_sms: int, rows: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps): BLOCK_K covers all of K; BLOCK_N output rows per program,
-    at most _SLICE_ELEMENTS weights each, and fewer while that leaves under 1.5 programs per SM
-    (so most SMs have the loads of two programs in flight)."""
+    at most _SLICE_ELEMENTS weights each (half at two rows), and fewer while that leaves under
+    1.5 programs per SM (so most SMs have the loads of two programs in flight). The warps are
+    the measured best: 8 for a full one-row slice, 4 otherwise."""
     block_k = triton.next_power_of_2(k)
-    block_n = max(1, min(64, _SLICE_ELEMENTS // block_k))
+    elements = _SLICE_ELEMENTS if rows == 1 else _SLICE_ELEMENTS // 2
+    block_n = max(1, min(64, elements // block_k))
     while block_n > 1 and triton.cdiv(n, block_n) < num_sms * 3 // 2:
         block_n //= 2
-    return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
+    return block_n, block_k, 8 if rows == 1 and block_n * block_k >= 8192 else 4
 
 
 def suits(rows: int, weight: torch.Tensor) -> bool:
-    """Whether `gemv` should take this product (few rows, K within one program's registers)."""
-    return 1 <= rows <= MAX_ROWS and weight.shape[1] <= MAX_K and _GEMV != "off"
+    """Whether `gemv` should take this product (see MAX_ROWS)."""
+    k = weight.shape[1]
+    return _GEMV != "off" and (rows == 1 and k <= MAX_K or rows == 2 and k <= MAX_K_TWO_ROWS)
 
 
 def gemv(
@@ -114,7 +124,7 @@ def gemv(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    block_n, block_k, warps = config or choose_config(n, k, num_sms(x.device))
+    block_n, block_k, warps = config or choose_config(n, k, num_sms(x.device), m)
     pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x2,

@@ -17,8 +17,8 @@ from minfer.kernels import gemv
 CASES = [
     (1, 40, 96, None),
     (2, 64, 300, (16, 512, 4)),
-    (3, 37, 1000, (1, 1024, 4)),
-    (4, 130, 64, (64, 64, 4)),
+    (2, 37, 1000, (1, 1024, 4)),
+    (2, 130, 64, (64, 64, 4)),
     (1, 1024, 3072, None),
 ]
 
@@ -56,18 +56,23 @@ def test_gemv_keeps_leading_dims_and_refuses_what_it_cannot_hold(device):
 
 
 def test_choose_config_keeps_slices_in_registers_and_fills_the_gpu():
-    """At most 16k weights per program, K whole, and 1.5 programs per SM where N allows it."""
-    for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (28672, 4096), (4096, 14336)]:
-        block_n, block_k, _ = gemv.choose_config(n, k, num_sms=132)
-        assert block_k >= k and block_n * block_k <= 16384
-        assert -(-n // block_n) >= 198 or block_n == 1
-    assert gemv.choose_config(1024, 2048, num_sms=132)[0] == 4  # 256 programs, not 128
+    """At most 16k weights per program (8k at two rows), K whole, and 1.5 programs per SM where
+    N allows it."""
+    for rows in (1, 2):
+        for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (28672, 4096), (4096, 14336)]:
+            block_n, block_k, _ = gemv.choose_config(n, k, num_sms=132, rows=rows)
+            assert block_k >= k and (block_n * block_k <= 16384 // rows or block_n == 1)
+            assert -(-n // block_n) >= 198 or block_n == 1
+    assert gemv.choose_config(1024, 2048, num_sms=132) == (4, 2048, 8)  # 256 programs, not 128
+    assert gemv.choose_config(1024, 2048, num_sms=132, rows=2) == (4, 2048, 4)
 
 
-def test_suits_few_rows_and_k_within_registers():
+def test_suits_one_row_and_two_rows_of_moderate_k():
     w = torch.empty((6144, 1024), device="meta")
-    assert gemv.suits(1, w) and gemv.suits(gemv.MAX_ROWS, w)
-    assert not gemv.suits(gemv.MAX_ROWS + 1, w) and not gemv.suits(0, w)
+    assert gemv.suits(1, w) and gemv.suits(2, w)
+    assert not gemv.suits(3, w) and not gemv.suits(0, w)
+    assert gemv.suits(1, torch.empty((4096, 14336), device="meta"))  # Llama-8B down, one row
+    assert not gemv.suits(2, torch.empty((4096, 14336), device="meta"))  # cuBLAS wins at two
     assert not gemv.suits(1, torch.empty((16, gemv.MAX_K + 1), device="meta"))
 
 
