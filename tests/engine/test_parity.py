@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from greedy_parity import assert_greedy_parity, near_tie_gap
 from tiny_models import hf_greedy
 
@@ -48,7 +49,8 @@ def test_single_stream_matches_transformers(tiny_model):
     arch, path, hf = tiny_model
     prompt = _prompts(2, [29])[0]
     expected = hf_greedy(hf, prompt, 16)
-    llm = LLM(path, kv_cache_tokens=256)
+    # bf16 on a GPU: gemv takes only half types (float32 stays on torch's matmul)
+    llm = LLM(path, kv_cache_tokens=256, **({"dtype": "bfloat16"} if torch.cuda.is_available() else {}))
     out = llm.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
     )[0]
