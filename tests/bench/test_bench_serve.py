@@ -147,6 +147,8 @@ def fake_server():
 def test_client_times_every_chunk(fake_server):
     body = b'{"prompt": [1, 2, 3], "max_tokens": 100, "stream": true}'
     shard = Shard(fake_server + "/v1/completions", [body] * 12, [0.0] * 12, list(range(12)), 4)
+    # one request first, so one-time costs (lazy imports, the first connection) stay out of the count
+    run_shard(Shard(fake_server + "/v1/completions", [body], [0.0], [0], 1))
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     records = run_shard(shard)
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -157,7 +159,7 @@ def test_client_times_every_chunk(fake_server):
     assert 0.0015 < statistics.median(gap for r in records for gap in r.itl) < 0.05
     # The client's CPU cost per token (measured ~30 us; CPU time, so a busy machine does not fail it).
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-    assert cpu / 1200 < 250e-6
+    assert cpu / 1200 < 250e-6, f"{cpu / 1200 * 1e6:.0f} us of CPU per token"
 
 
 def test_sharded_run_merges_records(fake_server):
