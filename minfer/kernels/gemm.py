@@ -6,7 +6,8 @@ programs for narrow outputs (Qwen3-0.6B's o_proj at one row: 12.6 us for 4 MB, a
 and its fixed cost per call dominates. This kernel splits K as well, so about one program per
 SM reads a slice of the weights (o_proj at one row: 5.0 us). Where it is used is set by
 `suits`: measured on an H200 (docs/BENCHMARKS.md), it wins or ties up to 64 rows on Qwen3-0.6B's
-weights and loses to cuBLAS's larger tensor-core tiles beyond.
+weights and loses to cuBLAS's larger tensor-core tiles beyond. One- and two-row products go to
+minfer.kernels.gemv first (layers/linear.py), which beats this kernel there.
 
 How the splits are summed without a second kernel (which would cost a graph node and its
 launch gap per GEMM): each program writes its fp32 partial tile to a workspace, then bumps the
