@@ -10,12 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import pdl_enabled, release_dependents
+from minfer.kernels.common import pdl_args, pdl_start
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    release_dependents(PDL)  # the down projection's gemv may read its weights meanwhile
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, width, BLOCK: tl.constexpr, PDL_RELEASE: tl.constexpr, PDL_WAIT: tl.constexpr
+):
+    pdl_start(PDL_RELEASE, PDL_WAIT)  # the down projection's gemv may read its weights meanwhile
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < width
@@ -37,7 +39,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and width:
         block = min(1024, triton.next_power_of_2(width))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(width, block))](
-            x2, out, x2.stride(0), width, BLOCK=block, PDL=pdl_enabled(x.device), num_warps=4
+            x2, out, x2.stride(0), width, BLOCK=block, num_warps=4, **pdl_args(x.device)
         )
     return out
 

@@ -32,8 +32,8 @@ from minfer.kernels.common import (
     fp8_pool_operand,
     gather_rows,
     num_sms,
-    pdl_enabled,
-    release_dependents,
+    pdl_args,
+    pdl_start,
 )
 from minfer.kernels.new_kv import NewKV, decode_prologue_args, finish_decode_token
 
@@ -47,11 +47,10 @@ BLOCK_N = 64  # keys per inner step
 FP8_BLOCK_N = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
-# An fp8 pool's kernel takes 200 registers per thread uncapped (more live values around the
-# e4m3 -> fp16 widening), which leaves room for two programs per SM: too few loads in flight
-# (ncu at B=256: 2.40 TB/s, 12.5% occupancy). Capped at 168, three fit without spilling: 218 ->
-# 185 us at B=256 (a cap of 128 spills and is slower, 209 us). The bf16 kernel already uses 128
-# and four fit. scripts/gpu_decode_layout.py --registers sweeps it.
+# An fp8 pool's kernel takes 200 registers per thread uncapped (live values around the e4m3 ->
+# fp16 widening): two programs per SM, too few loads in flight (ncu at B=256: 2.40 TB/s). Capped
+# at 168, three fit without spilling: 218 -> 185 us at B=256 (a cap of 128 spills: 209 us). The
+# bf16 kernel uses 128 and four fit. scripts/gpu_decode_layout.py --registers sweeps it.
 FP8_MAX_REGISTERS = 168
 
 
@@ -101,9 +100,10 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL_RELEASE: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
 ):
-    release_dependents(PDL)  # without a merge pass, the o_proj gemv may read its weights meanwhile
+    pdl_start(PDL_RELEASE, PDL_WAIT)  # the merge, or o_proj's gemv, may start meanwhile
     # Grid (kv head, request, split), kv head fastest: the programs of one request's heads, which
     # read neighbouring parts of the same slot rows, run side by side. H200, CUDA-graph timed,
     # Qwen3-0.6B heads, B=256 ctx~1024 (scripts/gpu_decode_layout.py, which had the other order
@@ -316,10 +316,10 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
-        PDL=num_splits == 1 and pdl_enabled(q.device),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
         **register_cap,
+        **pdl_args(q.device),
     )
     if num_splits > 1:
         merge_splits(out, part_out, part_lse)

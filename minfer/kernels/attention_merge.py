@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import pdl_enabled, release_dependents
+from minfer.kernels.common import pdl_args, pdl_start
 
 
 @triton.jit
@@ -24,9 +24,10 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL_RELEASE: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
 ):
-    release_dependents(PDL)  # the o_proj gemv may read its weights meanwhile
+    pdl_start(PDL_RELEASE, PDL_WAIT)  # the o_proj gemv may read its weights meanwhile
     b = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -67,7 +68,7 @@ def merge_splits(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tens
         HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        PDL=pdl_enabled(out.device),
         num_warps=4,
+        **pdl_args(out.device),
     )
     return out

@@ -20,19 +20,33 @@ INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` use programmatic dependent launch (minfer.kernels.gemv):
     compiled kernels (not the interpreter) on compute capability 9.0 or later, unless
-    MINFER_PDL=0 (for A/B runs)."""
+    MINFER_PDL=0 (for A/B runs; MINFER_PDL=chain: see pdl_args)."""
     if INTERPRET or device.type != "cuda" or os.environ.get("MINFER_PDL", "1") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def pdl_args(device: torch.device) -> dict:
+    """Launch arguments of a kernel that starts with `pdl_start`: PDL_RELEASE (let the next
+    kernel start early) wherever PDL is enabled; with MINFER_PDL=chain also PDL_WAIT and the
+    launch attribute, so this kernel itself starts while the one before it finishes."""
+    release = pdl_enabled(device)
+    chained = release and os.environ.get("MINFER_PDL") == "chain"
+    return {"PDL_RELEASE": release, "PDL_WAIT": chained, **({"launch_pdl": True} if chained else {})}
+
+
 @triton.jit
-def release_dependents(PDL: tl.constexpr):
-    """Let the next kernel on the stream start now if it was launched with programmatic
-    dependent launch (the gemv after an RMSNorm, a SiLU-and-multiply or attention): it reads its
-    weights meanwhile and waits for this kernel's writes with `gdc_wait`. Kernels launched
-    without the attribute still start only when this one has finished."""
-    if PDL:
+def pdl_start(PDL_RELEASE: tl.constexpr, PDL_WAIT: tl.constexpr):
+    """The first statement of a kernel that takes `pdl_args`. PDL_WAIT: this kernel was launched
+    early (programmatic dependent launch) and blocks here until the previous kernel has
+    finished and its writes are visible, before it reads or writes anything. PDL_RELEASE: then
+    let the next kernel on the stream start if it was launched with the attribute (the gemv
+    after an RMSNorm, a SiLU-and-multiply or attention reads its weights meanwhile and waits
+    for this kernel's writes with its own `gdc_wait`). Kernels launched without the attribute
+    still start only when this one has finished."""
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
+    if PDL_RELEASE:
         tl.extra.cuda.gdc_launch_dependents()
 
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import pdl_enabled, release_dependents
+from minfer.kernels.common import pdl_args, pdl_start
 
 
 @triton.jit
@@ -37,9 +37,10 @@ def _rmsnorm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     TERMS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL_RELEASE: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
 ):
-    release_dependents(PDL)  # a gemv after the norm may read its weights meanwhile
+    pdl_start(PDL_RELEASE, PDL_WAIT)  # a gemv after the norm may read its weights meanwhile
     # Rows of a [outer, inner, DIM] view; outputs are contiguous [rows, DIM].
     row = tl.program_id(0).to(tl.int64)
     outer = row // inner_rows
@@ -126,7 +127,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
             BLOCK=triton.next_power_of_2(dim),
             HAS_RESIDUAL=residual is not None,
             TERMS=terms,
-            PDL=pdl_enabled(x.device),
+            **pdl_args(x.device),
             num_warps=_num_warps(dim),
         )
     return out if residual is None else (out, residual_out)
