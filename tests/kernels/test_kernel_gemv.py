@@ -100,3 +100,16 @@ def test_gemv_after_a_releasing_kernel_in_a_cuda_graph():
         torch.testing.assert_close(
             out.float(), F.linear(rmsnorm(h, norm_w, 1e-6), w).float(), atol=0.5, rtol=2e-2
         )
+
+
+def test_pdl_is_off_where_it_cannot_run(monkeypatch):
+    """The interpreter and CPU tensors never get the launch attribute or the wait/release
+    instructions, whatever MINFER_PDL says (they exist only on compiled Hopper+ kernels)."""
+    from minfer.kernels import common
+
+    monkeypatch.setenv("MINFER_PDL", "chain")
+    common.pdl_enabled.cache_clear()
+    try:
+        assert common.pdl_args(torch.device("cpu")) == {"PDL_RELEASE": False, "PDL_WAIT": False}
+    finally:
+        common.pdl_enabled.cache_clear()
