@@ -30,7 +30,7 @@ def _tolerance(dtype: torch.dtype) -> dict:
     return dict(atol=1e-3, rtol=ulp if torch.cuda.is_available() else 2 * ulp)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,config", CASES)
 def test_gemv_matches_float64(m, n, k, config, dtype, device):
     gen = torch.Generator().manual_seed(m + n + k)
