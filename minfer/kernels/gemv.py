@@ -8,7 +8,7 @@ loop, no split, so no reduction), and only then waits for x.
 
 The wait is programmatic dependent launch (Hopper and later): the kernel is launched with
 `launch_pdl`, so it may start while the kernel before it (an RMSNorm, the SiLU-and-multiply, the
-attention merge, which release their dependents as they start) is still running. Its weight
+attention kernels, which release their dependents in `common.pdl_start`) is still running. Its weight
 loads then overlap that kernel; `gdc_wait` blocks until the previous kernel has finished and its
 writes are visible, and nothing that kernel writes (x) is read, and nothing is written, before
 it. Weights and bias are constant for the engine's life, which is what makes the early read safe.
@@ -29,9 +29,9 @@ from minfer.kernels.common import num_sms, pdl_enabled
 
 # Where it beats the split-K GEMM and cuBLAS on an H200 (scripts/gpu_gemv.py --sweep, CUDA-graph
 # timed, weights from DRAM): one row at every Qwen3-0.6B and Llama-3.1-8B shape (o_proj 5.05 ->
-# 2.20 us and 12.50 -> 9.59, gate_up 5.95 -> 4.21 and 55.5 -> 53.0); two rows with K up to 8192
-# (the second row's sum doubles the registers a slice needs, so slices are halved); from four rows
-# on, and at two rows of Llama's down (K = 14336), it loses to them.
+# 2.20 us and 12.50 -> 9.59, gate_up 5.95 -> 4.21 and 55.5 -> 53.0); two rows with K up to 8192,
+# with half the slice per program and 4 warps (the measured best there); from four rows on, and at
+# two rows of Llama's down (K = 14336), it loses to them.
 MAX_ROWS = 2
 MAX_K = 16384  # the whole K of one output row must fit one program's registers
 MAX_K_TWO_ROWS = 8192
