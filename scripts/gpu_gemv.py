@@ -54,7 +54,7 @@ SHAPES = {  # (N, K) of y = x @ w.T
 
 def set_pdl(on: bool) -> None:
     os.environ["MINFER_PDL"] = "1" if on else "0"
-    common.pdl_enabled.cache_clear()
+    common.reset_pdl_choice()
 
 
 def graph_us(fn, calls: int, replays: int = 20) -> float:
@@ -93,10 +93,15 @@ def shape_table(rows_list: list[int], sweep: bool) -> None:
                 "cublas": lambda i: F.linear(x, weights[i % copies]),
                 "splitk": lambda i: gemm.linear(x, weights[i % copies]),
             }
-            for pdl in (False, True):
-                variants[f"gemv pdl={int(pdl)}"] = (
-                    lambda p: lambda i: (set_pdl(p), gemv.gemv(x, weights[i % copies]))[1]
-                )(pdl)
+
+            def gemv_with_pdl(on: bool):
+                def call(i):
+                    set_pdl(on)  # also while the graph is captured: the launch takes the attribute or not
+                    return gemv.gemv(x, weights[i % copies])
+
+                return call
+
+            variants["gemv pdl=0"], variants["gemv pdl=1"] = gemv_with_pdl(False), gemv_with_pdl(True)
             configs = [gemv.choose_config(n, k, common.num_sms(DEVICE))]
             if sweep:
                 bn, bk, _ = configs[0]

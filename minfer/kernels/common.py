@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 
 import torch
 import triton
@@ -26,20 +27,31 @@ def pdl_enabled(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def pdl_args(device: torch.device) -> dict:
+@functools.cache
+def pdl_args(device: torch.device) -> types.MappingProxyType:
     """Launch arguments of a kernel that starts with `pdl_start`: PDL_RELEASE (let the next
     kernel start early) wherever PDL is enabled; with MINFER_PDL=chain also PDL_WAIT and the
-    launch attribute, so this kernel itself starts while the one before it finishes."""
+    launch attribute, so this kernel itself starts while the one before it finishes. Cached
+    (read-only): it is unpacked into every launch of those kernels."""
     release = pdl_enabled(device)
     chained = release and os.environ.get("MINFER_PDL") == "chain"
-    return {"PDL_RELEASE": release, "PDL_WAIT": chained, **({"launch_pdl": True} if chained else {})}
+    return types.MappingProxyType(
+        {"PDL_RELEASE": release, "PDL_WAIT": chained, **({"launch_pdl": True} if chained else {})}
+    )
+
+
+def reset_pdl_choice() -> None:
+    """Read MINFER_PDL again (A/B scripts and tests that change it within one process)."""
+    pdl_enabled.cache_clear()
+    pdl_args.cache_clear()
 
 
 @triton.jit
 def pdl_start(PDL_RELEASE: tl.constexpr, PDL_WAIT: tl.constexpr):
-    """The first statement of a kernel that takes `pdl_args`. PDL_WAIT: this kernel was launched
-    early (programmatic dependent launch) and blocks here until the previous kernel has
-    finished and its writes are visible, before it reads or writes anything. PDL_RELEASE: then
+    """The first statement of a kernel that takes `pdl_args` (the gemv calls it after reading its
+    constant weights). PDL_WAIT: this kernel was launched early (programmatic dependent launch)
+    and blocks here until the previous kernel has finished and its writes are visible, before
+    it reads or writes anything the previous kernels touch. PDL_RELEASE: then
     let the next kernel on the stream start if it was launched with the attribute (the gemv
     after an RMSNorm, a SiLU-and-multiply or attention reads its weights meanwhile and waits
     for this kernel's writes with its own `gdc_wait`). Kernels launched without the attribute
@@ -48,6 +60,20 @@ def pdl_start(PDL_RELEASE: tl.constexpr, PDL_WAIT: tl.constexpr):
         tl.extra.cuda.gdc_wait()
     if PDL_RELEASE:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+def matmul_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For y = x [..., K] @ weight [N, K].T: x as [M, K] rows with a contiguous last dim (rows may
+    stay strided) and the uninitialised output [M, N] in x's dtype. Reshape the output with
+    `out.reshape(*x.shape[:-1], N)`."""
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    assert weight.stride(-1) == 1
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
 
 
 @functools.cache

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import dot, num_sms
+from minfer.kernels.common import dot, matmul_operands, num_sms
 
 # Where this kernel was measured to match or beat cuBLAS on an H200 (scripts/gpu_check.py
 # --gemm): up to 64 rows, weights up to Qwen3-0.6B's largest (gate_up, 6144 x 1024), and
@@ -158,14 +158,8 @@ def linear(
 ) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N] in x's dtype, accumulated in fp32."""
     n, k = weight.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    assert weight.stride(-1) == 1
+    x2, out = matmul_operands(x, weight)
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     block_m, block_n, block_k, split_k, warps, stages = config or choose_config(m, n, k, num_sms(x.device))

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import num_sms, pdl_enabled
+from minfer.kernels.common import matmul_operands, num_sms, pdl_enabled, pdl_start
 
 # Where it beats the split-K GEMM and cuBLAS on an H200 (scripts/gpu_gemv.py --sweep, CUDA-graph
 # timed, weights from DRAM): one row at every Qwen3-0.6B and Llama-3.1-8B shape (o_proj 5.05 ->
@@ -71,9 +71,7 @@ def _gemv_kernel(
     )
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the previous kernel has finished: x is written
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_start(PDL, PDL)  # wait, then release: from here the previous kernel has finished, x is written
     for m in tl.static_range(ROWS):
         x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
@@ -110,18 +108,12 @@ def gemv(
     """x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N] in x's dtype, accumulated in fp32,
     for at most MAX_ROWS rows of x."""
     n, k = weight.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    x2, out = matmul_operands(x, weight)
     if k > MAX_K:
         raise ValueError(f"K = {k} is over gemv's {MAX_K}: use minfer.kernels.gemm")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    assert weight.stride(-1) == 1
     m = x2.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"{m} rows is over gemv's {MAX_ROWS}: use minfer.kernels.gemm")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     block_n, block_k, warps = config or choose_config(n, k, num_sms(x.device), m)

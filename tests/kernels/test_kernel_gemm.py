@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_cases import gemm_tolerance
 
 from minfer.kernels import gemm
 
@@ -22,13 +23,6 @@ CASES = [
     (33, 48, 200, (32, 32, 32, 1, 4, 2)),
     (1, 32, 64, None),
 ]
-
-
-def _tolerance(dtype: torch.dtype) -> dict:
-    if dtype == torch.float32:
-        return dict(atol=1e-4, rtol=1e-5)
-    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
-    return dict(atol=1e-3, rtol=ulp if torch.cuda.is_available() else 2 * ulp)
 
 
 def _inputs(m, n, k, dtype, device, seed, row_stride=None):
@@ -48,7 +42,7 @@ def test_gemm_matches_torch(m, n, k, config, dtype, device):
         out = gemm.linear(x, w, b, config=config)
         expected = F.linear(x.double(), w.double(), None if b is None else b.double())
         assert out.dtype == dtype and out.shape == (m, n)
-        torch.testing.assert_close(out.double(), expected.to(dtype).double(), **_tolerance(dtype))
+        torch.testing.assert_close(out.double(), expected.to(dtype).double(), **gemm_tolerance(dtype))
     # the last program of every split tile put its arrival counter back to zero
     assert int(gemm._counters(x.device).abs().sum()) == 0
 

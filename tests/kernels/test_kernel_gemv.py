@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_cases import gemm_tolerance
 
 from minfer.kernels import gemv
 
@@ -23,13 +24,6 @@ CASES = [
 ]
 
 
-def _tolerance(dtype: torch.dtype) -> dict:
-    if dtype == torch.float32:
-        return dict(atol=1e-4, rtol=1e-5)
-    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
-    return dict(atol=1e-3, rtol=ulp if torch.cuda.is_available() else 2 * ulp)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,config", CASES)
 def test_gemv_matches_float64(m, n, k, config, dtype, device):
@@ -41,7 +35,7 @@ def test_gemv_matches_float64(m, n, k, config, dtype, device):
         out = gemv.gemv(x, w, b, config=config)
         expected = F.linear(x.double(), w.double(), None if b is None else b.double())
         assert out.dtype == dtype and out.shape == (m, n)
-        torch.testing.assert_close(out.double(), expected.to(dtype).double(), **_tolerance(dtype))
+        torch.testing.assert_close(out.double(), expected.to(dtype).double(), **gemm_tolerance(dtype))
 
 
 def test_gemv_keeps_leading_dims_and_refuses_what_it_cannot_hold(device):
@@ -108,8 +102,8 @@ def test_pdl_is_off_where_it_cannot_run(monkeypatch):
     from minfer.kernels import common
 
     monkeypatch.setenv("MINFER_PDL", "chain")
-    common.pdl_enabled.cache_clear()
+    common.reset_pdl_choice()
     try:
         assert common.pdl_args(torch.device("cpu")) == {"PDL_RELEASE": False, "PDL_WAIT": False}
     finally:
-        common.pdl_enabled.cache_clear()
+        common.reset_pdl_choice()
