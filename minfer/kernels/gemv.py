@@ -13,6 +13,13 @@ loads then overlap that kernel; `gdc_wait` blocks until the previous kernel has 
 writes are visible, and nothing that kernel writes (x) is read, and nothing is written, before
 it. Weights and bias are constant for the engine's life, which is what makes the early read safe.
 
+Two prologues take a launch each off a decode layer (`normed_gemv`, `gated_gemv`): the RMSNorm
+(with its residual add) before the qkv and gate_up projections, and the SiLU-and-multiply before
+the down projection, each make one row that a gemv program can make itself from its inputs,
+since it holds the whole of K anyway. So every program recomputes it after the wait (the row
+comes from L2: K values, against the BLOCK_N x K weights it streams from DRAM), and program 0
+alone writes the residual stream's new value, to a fresh tensor that no program reads.
+
 The sum over K runs in fp32 on CUDA cores (a reduction across the tile), so the result differs
 from cuBLAS's only in summation order. Rows of x may be strided; the last dim must be contiguous.
 """
@@ -40,6 +47,9 @@ MAX_K_TWO_ROWS = 8192
 _SLICE_ELEMENTS = 16384
 # MINFER_GEMV=off sends these products back to minfer.kernels.gemm / cuBLAS, for A/B runs.
 _GEMV = os.environ.get("MINFER_GEMV", "on")
+# What each program does to its row of x after the wait, before the products (see normed_gemv
+# and gated_gemv): nothing, an RMSNorm (with the residual add), or SiLU(gate) * up.
+_PLAIN, _NORM, _SILU = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -48,13 +58,20 @@ def _gemv_kernel(
     w_ptr,
     bias_ptr,
     out_ptr,
+    norm_w_ptr,
+    residual_ptr,
+    residual_out_ptr,
+    eps,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
+    stride_rm,
     ROWS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
@@ -71,9 +88,26 @@ def _gemv_kernel(
     )
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if PROLOGUE == _NORM:
+        norm_w = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     pdl_start(PDL, PDL)  # wait, then release: from here the previous kernel has finished, x is written
     for m in tl.static_range(ROWS):
         x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        # The prologues round where minfer.kernels.norm / activation round before they store.
+        if PROLOGUE == _NORM:
+            if HAS_RESIDUAL:
+                r = tl.load(residual_ptr + m * stride_rm + offs_k, mask=k_mask, other=0.0)
+                summed = (x + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                if tl.program_id(0) == 0:  # one program writes the residual stream's new value
+                    tl.store(residual_out_ptr + m * K + offs_k, summed, mask=k_mask)
+                x = summed.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / K + eps)
+            normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (normed * norm_w).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if PROLOGUE == _SILU:  # x's row holds [gate | up], K each
+            up = tl.load(x_ptr + m * stride_xm + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            silu = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
             acc += bias
@@ -107,33 +141,94 @@ def gemv(
 ) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N] in x's dtype, accumulated in fp32,
     for at most MAX_ROWS rows of x."""
-    n, k = weight.shape
     x2, out = matmul_operands(x, weight)
+    _launch(x2, weight, bias, out, config, _PLAIN)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def normed_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gemv(rmsnorm(x [+ residual]) * norm_weight, weight, bias), x [+ residual]) in one kernel:
+    what `rmsnorm(x, norm_weight, eps, residual)` followed by `gemv` returns, the RMSNorm done
+    by every program on its own copy of the row (K is whole in each) instead of by a launch of
+    its own. Without `residual` the residual stream returned is x itself. norm_weight must have
+    x's dtype (so the norm's output rounds to it, as the unfused pair's does)."""
+    if norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype:
+        raise ValueError("norm_weight must be [K] in x's dtype")
+    x2, out = matmul_operands(x, weight)
+    summed = x
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError("residual must have the shape and dtype of x")
+        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        residual = residual.reshape(x2.shape)
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+    _launch(x2, weight, bias, out, config, _NORM, norm_weight, eps, residual, summed)
+    return out.reshape(*x.shape[:-1], weight.shape[0]), summed
+
+
+def gated_gemv(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """gemv(silu(gate) * up, weight, bias) for gate_up [..., 2K] holding [gate | up], in one
+    kernel: what minfer.kernels.activation.silu_and_mul followed by `gemv` returns."""
+    n, k = weight.shape
+    if gate_up.shape[-1] != 2 * k:
+        raise ValueError(f"gate_up has {gate_up.shape[-1]} features, weight expects 2 x {k}")
+    assert weight.stride(-1) == 1
+    x2 = gate_up.reshape(-1, 2 * k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((x2.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
+    _launch(x2, weight, bias, out, config, _SILU)
+    return out.reshape(*gate_up.shape[:-1], n)
+
+
+def _launch(x2, weight, bias, out, config, prologue, norm_weight=None, eps=0.0, residual=None, summed=None):
+    """One launch over x2's rows (x2 [M, K], or [M, 2K] for the SiLU prologue) into out [M, N]."""
+    n, k = weight.shape
     if k > MAX_K:
         raise ValueError(f"K = {k} is over gemv's {MAX_K}: use minfer.kernels.gemm")
     m = x2.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"{m} rows is over gemv's {MAX_ROWS}: use minfer.kernels.gemm")
     if m == 0:
-        return out.reshape(*x.shape[:-1], n)
-    block_n, block_k, warps = config or choose_config(n, k, num_sms(x.device), m)
-    pdl = pdl_enabled(x.device)
+        return
+    block_n, block_k, warps = config or choose_config(n, k, num_sms(x2.device), m)
+    pdl = pdl_enabled(x2.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x2,
         weight,
         bias if bias is not None else out,
         out,
+        norm_weight if norm_weight is not None else out,
+        residual if residual is not None else out,
+        summed if residual is not None else out,
+        eps,
         n,
         k,
         x2.stride(0),
         weight.stride(0),
         out.stride(0),
+        residual.stride(0) if residual is not None else 0,
         ROWS=m,
         HAS_BIAS=bias is not None,
+        PROLOGUE=prologue.value,
+        HAS_RESIDUAL=residual is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=pdl,
         num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
-    return out.reshape(*x.shape[:-1], n)

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.distributed.parallel import SINGLE, TPGroup
+from minfer.layers.activation import silu_and_mul
+from minfer.layers.norm import RMSNorm
 from minfer.layers.quantized_linear import LowBitWeight
 
 # Decode-sized GEMMs on CUDA go to minfer.kernels.gemv (a few rows: weights read before x is
@@ -23,6 +25,10 @@ from minfer.layers.quantized_linear import LowBitWeight
 # MINFER_SMALL_GEMM=cublas keeps them on cuBLAS, for A/B measurements.
 _SMALL_GEMM = os.environ.get("MINFER_SMALL_GEMM", "triton")
 _HALF = (torch.bfloat16, torch.float16)
+# MINFER_GEMV_PROLOGUE=on: at one or two rows the RMSNorm before qkv / gate_up and the
+# SiLU-and-multiply before down run inside gemv (minfer.kernels.gemv's prologues), three launches
+# fewer per decoder layer. Opt-in until it has been measured on a GPU (docs/PERFORMANCE.md).
+_GEMV_PROLOGUE = os.environ.get("MINFER_GEMV_PROLOGUE", "off") == "on"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,6 +41,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if gemm.suits(rows, weight):
             return gemm.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _folds_prologue(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x's rows go through minfer.kernels.gemv with the step before it folded in."""
+    if not (_GEMV_PROLOGUE and x.is_cuda and x.dtype in _HALF and _SMALL_GEMM == "triton"):
+        return False
+    from minfer.kernels import gemv
+
+    return gemv.suits(x.numel() // x.shape[-1], weight)
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -67,6 +82,19 @@ class ColumnParallelLinear(nn.Module):
             y = self.low_bit.matmul(x, self.weight)
             return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias)
+
+    def forward_normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """(self(norm(x [+ residual])), the residual stream after the add): what the norm and
+        this layer return one after the other (x itself is the stream without `residual`); one
+        kernel where the prologue folds (see _GEMV_PROLOGUE)."""
+        if self.low_bit is None and norm.weight.dtype == x.dtype and _folds_prologue(x, self.weight):
+            from minfer.kernels.gemv import normed_gemv
+
+            return normed_gemv(x, self.weight, norm.weight, norm.eps, residual, self.bias)
+        if residual is None:
+            return self(norm(x)), x
+        normed, residual = norm(x, residual)
+        return self(normed), residual
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -144,5 +172,18 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight) if self.low_bit is None else self.low_bit.matmul(x, self.weight)
+        return self._reduce(y)
+
+    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for gate_up [..., 2 x in_per_rank] holding [gate | up]; one
+        kernel where the prologue folds (see _GEMV_PROLOGUE)."""
+        if self.low_bit is None and _folds_prologue(gate_up, self.weight):
+            from minfer.kernels.gemv import gated_gemv
+
+            return self._reduce(gated_gemv(gate_up, self.weight))
+        return self(silu_and_mul(gate_up))
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The sum of the ranks' partial products, plus the bias once."""
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

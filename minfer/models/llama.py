@@ -17,7 +17,6 @@ from torch import nn
 from minfer.attention.base import ForwardContext
 from minfer.distributed.parallel import SINGLE, TPGroup
 from minfer.kernels.new_kv import NewKV
-from minfer.layers.activation import silu_and_mul
 from minfer.layers.attention import PagedAttention
 from minfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -59,9 +58,10 @@ class LlamaAttention(nn.Module):
         self.layer_id = layer_id
         self.attn = PagedAttention(layer_id, self.num_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        t = x.shape[0]
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Attention over the output of `qkv_proj`, which the decoder layer runs (with its norm)."""
+        q, k, v = self.qkv_proj.split(qkv)
+        t = qkv.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -88,7 +88,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_gated(self.gate_up_proj(x))
+
+    def forward_normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
+        """(self(norm(x + residual)), x + residual), the norm inside gate_up where it folds."""
+        gate_up, residual = self.gate_up_proj.forward_normed(norm, x, residual)
+        return self.down_proj.forward_gated(gate_up), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,12 +114,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, ctx):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, ctx)
+        # Each norm is handed to the projection after it, which may run it in its own kernel
+        # (ColumnParallelLinear.forward_normed); a mixture-of-experts MLP takes the norm's output.
+        qkv, residual = self.self_attn.qkv_proj.forward_normed(self.input_layernorm, x, residual)
+        x = self.self_attn(positions, qkv, ctx)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp.forward_normed(self.post_attention_layernorm, x, residual)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

@@ -107,3 +107,81 @@ def test_pdl_is_off_where_it_cannot_run(monkeypatch):
         assert common.pdl_args(torch.device("cpu")) == {"PDL_RELEASE": False, "PDL_WAIT": False}
     finally:
         common.reset_pdl_choice()
+
+
+# (M, N, K, config) for the prologues: a masked tail of K, one output row per program.
+PROLOGUE_CASES = [(1, 40, 96, None), (2, 37, 300, (1, 512, 4)), (2, 130, 64, (64, 64, 4))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,config", PROLOGUE_CASES)
+def test_normed_gemv_is_the_norm_then_the_gemv(m, n, k, config, dtype, device):
+    """The RMSNorm prologue returns what minfer.kernels.norm.rmsnorm followed by gemv returns:
+    the residual stream exactly, the product within the GEMM tolerance (the sum of squares may
+    add up in another order, which can move the rounded norm output by one unit)."""
+    from minfer.kernels.norm import rmsnorm
+
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn((m, k + 8), generator=gen).to(dtype).to(device)[:, :k]  # strided rows
+    residual = torch.randn((m, k), generator=gen).to(dtype).to(device)
+    norm_w = torch.randn((k,), generator=gen).to(dtype).to(device)
+    w = torch.randn((n, k), generator=gen).to(dtype).to(device)
+    bias = torch.randn((n,), generator=gen).to(dtype).to(device)
+    for res, b in ((None, None), (residual, None), (residual, bias)):
+        out, summed = gemv.normed_gemv(x, w, norm_w, 1e-6, res, b, config=config)
+        if res is None:
+            normed, expected_summed = rmsnorm(x, norm_w, 1e-6), x
+        else:
+            normed, expected_summed = rmsnorm(x, norm_w, 1e-6, res)
+        torch.testing.assert_close(summed, expected_summed, atol=0, rtol=0)
+        expected = F.linear(normed.double(), w.double(), None if b is None else b.double())
+        torch.testing.assert_close(out.double(), expected.to(dtype).double(), **_prologue_tolerance(dtype))
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv.normed_gemv(x, w, norm_w[:-1], 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,config", PROLOGUE_CASES)
+def test_gated_gemv_is_silu_and_mul_then_the_gemv(m, n, k, config, dtype, device):
+    from minfer.kernels.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(m + n * k)
+    gate_up = torch.randn((m, 2 * k + 4), generator=gen).to(dtype).to(device)[:, : 2 * k]
+    w = torch.randn((n, k), generator=gen).to(dtype).to(device)
+    out = gemv.gated_gemv(gate_up, w, config=config)
+    expected = F.linear(silu_and_mul(gate_up).double(), w.double())
+    assert out.shape == (m, n) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected.to(dtype).double(), **gemm_tolerance(dtype))
+    with pytest.raises(ValueError, match="gate_up"):
+        gemv.gated_gemv(gate_up[:, :-2], w)
+
+
+def _prologue_tolerance(dtype):
+    """The GEMM tolerance, plus (half types) a norm output one unit off on a few elements."""
+    tol = gemm_tolerance(dtype)
+    return tol if dtype == torch.float32 else {"atol": tol["atol"] * 4, "rtol": tol["rtol"] * 2}
+
+
+def test_layers_fold_the_prologues_and_return_what_the_separate_steps_return(monkeypatch, device):
+    """ColumnParallelLinear.forward_normed and LlamaMLP.forward_normed through the prologues
+    (forced on: off a GPU they route to torch) against the same layers unfused. float32, so the
+    comparison on CPU is not blurred by the interpreter's bf16 truncation (the kernels' own
+    tests cover the half types)."""
+    from minfer.layers import linear
+    from minfer.layers.norm import RMSNorm
+    from minfer.models.llama import LlamaMLP
+
+    torch.manual_seed(3)
+    cfg = type("Cfg", (), {"hidden_size": 96, "intermediate_size": 160})
+    mlp, norm = LlamaMLP(cfg, linear.SINGLE).to(device), RMSNorm(96, 1e-6).to(device)
+    for p in mlp.parameters():
+        p.data.normal_(std=p.shape[1] ** -0.5)  # activations of order one
+    norm.weight.data.normal_(1.0, 0.2)
+    x, residual = torch.randn((1, 96), device=device), torch.randn((1, 96), device=device)
+    unfused = mlp.forward_normed(norm, x, residual), mlp.gate_up_proj.forward_normed(norm, x)
+    monkeypatch.setattr(linear, "_folds_prologue", lambda x, w: gemv.suits(x.numel() // x.shape[-1], w))
+    fused = mlp.forward_normed(norm, x, residual), mlp.gate_up_proj.forward_normed(norm, x)
+    assert fused[1][1] is x  # without a residual the stream is x itself
+    for (out, stream), (expected, expected_stream) in zip(fused, unfused):
+        torch.testing.assert_close(stream, expected_stream, atol=0, rtol=0)
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
