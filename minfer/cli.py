@@ -206,7 +206,7 @@ def _preflight(cfg: EngineConfig) -> tuple[EngineConfig, str | None]:
     """Check the model and the options against it before any process starts or weight loads.
     A Hugging Face id is downloaded here, once, and the workers get its local directory; the
     id stays the name it is served as."""
-    from minfer.models.loader import load_hf_config, model_source
+    from minfer.models.source import model_source  # torch-free: the api server process stays without it
 
     if cfg.trust_remote_code:
         print(
@@ -215,6 +215,8 @@ def _preflight(cfg: EngineConfig) -> tuple[EngineConfig, str | None]:
         )
     source = model_source(cfg)
     if cfg.tp > 1:
+        from minfer.models.loader import load_hf_config
+
         check_tp_fits(load_hf_config(source), cfg.tp)
     if cfg.model is not None and not os.path.exists(cfg.model) and source.load_format != "dummy":
         return dataclasses.replace(cfg, model=source.path), cfg.model

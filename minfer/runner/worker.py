@@ -20,7 +20,7 @@ import zmq
 from minfer.config import EngineConfig
 from minfer.core import InvalidRequestError
 from minfer.ipc import messages as m
-from minfer.ipc.process import parent_alive, setup_worker_process
+from minfer.ipc.process import exit_without_teardown, parent_alive, setup_worker_process
 from minfer.ipc.sockets import Endpoints, fail_start, inbox, outbox, recv_ready, send
 from minfer.observability.metrics import RequestTimer, StatsLogger, scheduler_stats
 
@@ -149,6 +149,7 @@ class SchedulerLoop:
         }
 
 
+@exit_without_teardown
 def run_scheduler_worker(config: EngineConfig, endpoints: Endpoints, parent_pid: int) -> None:
     """Entry point of the scheduler process (started by server/launch.py)."""
     setup_worker_process("minfer-scheduler", config.log_level)

@@ -21,7 +21,7 @@ import zmq
 from minfer.config import EngineConfig
 from minfer.core import TokenLogprobs
 from minfer.ipc import messages as m
-from minfer.ipc.process import parent_alive, setup_worker_process
+from minfer.ipc.process import exit_without_teardown, parent_alive, setup_worker_process
 from minfer.ipc.sockets import Endpoints, fail_start, inbox, outbox, recv_ready, send
 from minfer.observability.events import DETOKENIZED
 from minfer.observability.trace import NULL_TRACER, RequestTracer
@@ -155,6 +155,7 @@ class DetokenizerWorker:
         return lp
 
 
+@exit_without_teardown
 def run_detokenizer_worker(config: EngineConfig, endpoints: Endpoints, parent_pid: int) -> None:
     """Entry point of the detokenizer process (started by server/launch.py)."""
     setup_worker_process("minfer-detokenizer", config.log_level)

@@ -18,7 +18,7 @@ import zmq
 from minfer.config import EngineConfig
 from minfer.core import InvalidRequestError
 from minfer.ipc import messages as m
-from minfer.ipc.process import parent_alive, setup_worker_process
+from minfer.ipc.process import exit_without_teardown, parent_alive, setup_worker_process
 from minfer.ipc.sockets import Endpoints, fail_start, inbox, outbox, recv_ready, send
 from minfer.observability.events import TOKENIZED
 from minfer.observability.trace import NULL_TRACER, RequestTracer
@@ -136,6 +136,7 @@ class TokenizerWorker:
         return result
 
 
+@exit_without_teardown
 def run_tokenizer_worker(config: EngineConfig, endpoints: Endpoints, parent_pid: int) -> None:
     """Entry point of the tokenizer process (started by server/launch.py)."""
     setup_worker_process("minfer-tokenizer", config.log_level)
