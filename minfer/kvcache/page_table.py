@@ -6,6 +6,10 @@ import torch
 
 from minfer.device import to_device
 
+# Up to this many positions, per-position work is cheaper in Python lists than in tensor ops
+# (measured on the 2-core development CPU: docs/BENCHMARKS.md, "Host work of a decode step").
+FEW_POSITIONS = 64
+
 
 def runs_of_positions(
     rows: list[int], starts: list[int], lengths: list[int]
@@ -15,9 +19,15 @@ def runs_of_positions(
 
     Built with tensor ops because a prefill pass covers thousands of positions: as Python lists
     (and then a tensor made from them) the three per-token vectors of one 8192-token pass cost
-    ~1.5 ms of CPU, which the GPU waits for whenever a pass's launches are its bound."""
-    counts = torch.tensor(lengths, dtype=torch.int64)
+    ~1.5 ms of CPU, which the GPU waits for whenever a pass's launches are its bound. A few
+    positions (a decode step) are the other way round: six tensor ops cost ~25 us, the lists
+    ~3 us."""
     total = int(sum(lengths))
+    if total <= FEW_POSITIONS:
+        row = [r for r, n in zip(rows, lengths) for _ in range(n)]
+        position = [p for s, n in zip(starts, lengths) for p in range(s, s + n)]
+        return torch.tensor(row, dtype=torch.int64), torch.tensor(position, dtype=torch.int64)
+    counts = torch.tensor(lengths, dtype=torch.int64)
     row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts, output_size=total)
     # a position is its run's start plus its offset in the run: global index - the run's first index
     first_index = torch.cumsum(counts, 0) - counts
@@ -76,10 +86,15 @@ class PageTable:
     def write_slots(self, rows, positions, slots) -> None:
         """Record slots for (row, position) pairs, given as three sequences (lists or CPU
         tensors) of one length."""
-        flat = torch.as_tensor(rows, dtype=torch.int64) * self.max_len + torch.as_tensor(
-            positions, dtype=torch.int64
-        )
-        packed = torch.stack([flat, torch.as_tensor(slots, dtype=torch.int64)])
+        if len(slots) <= FEW_POSITIONS:  # a decode step: one tensor from lists (see runs_of_positions)
+            rows, positions = _as_list(rows), _as_list(positions)
+            flat = [r * self.max_len + p for r, p in zip(rows, positions)]
+            packed = torch.tensor([flat, _as_list(slots)], dtype=torch.int64)
+        else:
+            flat = torch.as_tensor(rows, dtype=torch.int64) * self.max_len + torch.as_tensor(
+                positions, dtype=torch.int64
+            )
+            packed = torch.stack([flat, torch.as_tensor(slots, dtype=torch.int64)])
         self.slots_cpu.view(-1).index_copy_(0, packed[0], packed[1].to(torch.int32))
         if self.slots is self.slots_cpu:
             return
@@ -95,3 +110,7 @@ class PageTable:
 
     def row_slots(self, row: int, length: int) -> torch.Tensor:
         return self.slots_cpu[row, :length]
+
+
+def _as_list(values) -> list[int]:
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)

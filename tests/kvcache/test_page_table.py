@@ -35,3 +35,15 @@ def test_write_slots_takes_lists_and_tensors_alike():
     assert table.row_slots(1, 2).tolist() == [7, 8]
     assert int(table.slots_cpu[2, 5]) == 9
     assert table.row_slots(3, 5).tolist() == [0, 0, 10, 11, 12]
+
+
+def test_write_slots_is_the_same_above_and_below_the_few_positions_path():
+    """Decode-sized writes go through Python lists, prefill-sized ones through tensor ops."""
+    from minfer.kvcache.page_table import FEW_POSITIONS
+
+    for n in (1, FEW_POSITIONS, FEW_POSITIONS + 1, 3 * FEW_POSITIONS):
+        table = PageTable(max_rows=4, max_len=512, device=torch.device("cpu"))
+        rows, positions = runs_of_positions([2, 0], [5, 0], [n // 2, n - n // 2])
+        table.write_slots(rows, positions, list(range(100, 100 + n)))
+        assert table.row_slots(2, 5 + n // 2)[5:].tolist() == list(range(100, 100 + n // 2))
+        assert table.row_slots(0, n - n // 2).tolist() == list(range(100 + n // 2, 100 + n))
