@@ -4,15 +4,15 @@ Two measurements, both replayed from CUDA graphs (what the engine's decode steps
 1. One GEMM shape at a time: 64 calls in a graph, each on its own copy of the weights when one
    copy would fit the 60 MB L2 (a decode step reads every weight once, from DRAM). Prints
    us per call and the weight bytes over that time. `--sweep` adds gemv's BLOCK_N and warps.
-2. A Qwen3-0.6B-shaped layer chain without attention, 28 layers in one graph: RMSNorm + residual,
-   qkv, o_proj (on the qkv output's first 2048 features), RMSNorm + residual, gate_up,
-   SiLU-and-multiply, down. Small GEMMs through gemm.linear, through gemv without programmatic
+2. A Qwen3-0.6B- and a Llama-3.1-8B-shaped layer chain without attention (28 and 8 layers in
+   one graph): RMSNorm + residual, qkv, o_proj (on the qkv output's first features), RMSNorm +
+   residual, gate_up, SiLU-and-multiply, down. Small GEMMs through gemm.linear, through gemv without programmatic
    dependent launch, through gemv with it (the norms and the SiLU release the gemv early), and
    with the norms and the SiLU folded into gemv's prologues (four launches per layer, not seven).
    Prints us per layer and checks every variant's output against the first.
 
 Run from the repository root on the GPU host:
-    PYTHONPATH=$PWD python3 scripts/gpu_gemv.py [--sweep] [--rows 1,2,4]
+    PYTHONPATH=$PWD python3 scripts/gpu_gemv.py [--sweep] [--rows 1,2,4] [--chains-only]
 """
 
 from __future__ import annotations
@@ -124,25 +124,30 @@ def shape_table(rows_list: list[int], sweep: bool) -> None:
             print(f"{name:20s} M={m}: " + " | ".join(cells), flush=True)
 
 
-def layer_chain(m: int) -> None:
-    hidden, inter, layers = 1024, 3072, 28
-    gen = torch.Generator().manual_seed(0)
+# (hidden, intermediate, qkv width, attention output width, layers in the graph): every layer's
+# weights are its own, so they come from DRAM as in a decode step (8 of Llama's 32 layers: 3.5 GB)
+CHAINS = {"qwen3-0.6b": (1024, 3072, 4096, 2048, 28), "llama-8b": (4096, 14336, 6144, 4096, 8)}
+
+
+def layer_chain(model: str, m: int) -> None:
+    hidden, inter, qkv_width, attn_width, layers = CHAINS[model]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
 
     def weight(*shape):
-        return (torch.randn(shape, generator=gen) * shape[-1] ** -0.5).to(DTYPE).to(DEVICE)
+        return (torch.randn(shape, generator=gen, device=DEVICE) * shape[-1] ** -0.5).to(DTYPE)
 
     params = [
         dict(
             n1=weight(hidden) + 1,
-            qkv=weight(4096, hidden),
-            o=weight(hidden, 2048),
+            qkv=weight(qkv_width, hidden),
+            o=weight(hidden, attn_width),
             n2=weight(hidden) + 1,
             gate_up=weight(2 * inter, hidden),
             down=weight(hidden, inter),
         )
         for _ in range(layers)
     ]
-    x0 = torch.randn((m, hidden), generator=gen).to(DTYPE).to(DEVICE)
+    x0 = torch.randn((m, hidden), generator=gen, device=DEVICE).to(DTYPE)
 
     def separate(lin):
         def run():
@@ -150,7 +155,7 @@ def layer_chain(m: int) -> None:
             for p in params:
                 h, res = rmsnorm(h, p["n1"], 1e-6, res)
                 qkv = lin(h, p["qkv"])
-                h = lin(qkv[:, :2048], p["o"])
+                h = lin(qkv[:, :attn_width], p["o"])
                 h, res = rmsnorm(h, p["n2"], 1e-6, res)
                 h = lin(silu_and_mul(lin(h, p["gate_up"])), p["down"])
             return h + res
@@ -161,13 +166,13 @@ def layer_chain(m: int) -> None:
         h, res = x0, torch.zeros_like(x0)
         for p in params:
             qkv, res = gemv.normed_gemv(h, p["qkv"], p["n1"], 1e-6, res)
-            h = gemv.gemv(qkv[:, :2048], p["o"])
+            h = gemv.gemv(qkv[:, :attn_width], p["o"])
             gate_up, res = gemv.normed_gemv(h, p["gate_up"], p["n2"], 1e-6, res)
             h = gemv.gated_gemv(gate_up, p["down"])
         return h + res
 
     variants = [("splitk", False, separate(gemm.linear))]
-    if m <= gemv.MAX_ROWS:
+    if m <= gemv.MAX_ROWS and (m == 1 or inter <= gemv.MAX_K_TWO_ROWS):
         variants += [
             ("gemv", False, separate(gemv.gemv)),
             ("gemv+pdl", True, separate(gemv.gemv)),
@@ -181,19 +186,22 @@ def layer_chain(m: int) -> None:
         diff = (outputs[-1] - outputs[0]).abs().max().item() / outputs[0].abs().max().item()
         cells.append(f"{label} {us:6.2f} us/layer (max rel diff {diff:.1e})")
     set_pdl(True)
-    print(f"qwen3-0.6b layer chain M={m}: " + " | ".join(cells), flush=True)
+    print(f"{model} layer chain M={m}: " + " | ".join(cells), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time gemv's BLOCK_N and warps")
     parser.add_argument("--rows", default="1,2,4", help="row counts (comma-separated, <= gemv.MAX_ROWS)")
+    parser.add_argument("--chains-only", action="store_true", help="only the layer chains (measurement 2)")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    for m in rows_list:
-        layer_chain(m)
-    shape_table(rows_list, args.sweep)
+    for model in CHAINS:
+        for m in rows_list:
+            layer_chain(model, m)
+    if not args.chains_only:
+        shape_table(rows_list, args.sweep)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ pdl=$([ "${CHAIN:-1}" = 1 ] && echo chain || echo 1)
 echo "== tests with MINFER_GEMV_PROLOGUE=on, MINFER_PDL=$pdl =="
 MINFER_GEMV_PROLOGUE=on MINFER_PDL=$pdl timeout 200 python3 -m pytest -q -p no:cacheprovider \
   tests/kernels/test_kernel_gemv.py tests/engine/test_parity.py tests/engine/test_prefill_graphs_gpu.py 2>&1 | tail -3
-echo "== layer chain (gemv's own PDL, not the chain) =="
-timeout 90 python3 scripts/gpu_gemv.py --rows 1,2 2>&1 | grep "layer chain"
+echo "== layer chains (gemv's own PDL, not the chain) =="
+timeout 120 python3 scripts/gpu_gemv.py --rows 1,2 --chains-only 2>&1 | grep "layer chain"
 for prologue in off on off on; do
   echo "== MINFER_GEMV_PROLOGUE=$prologue MINFER_PDL=$pdl: batch 1 =="
   MINFER_GEMV_PROLOGUE=$prologue MINFER_PDL=$pdl timeout 60 python3 scripts/gpu_batch1_split.py qwen3-0.6b 2>&1 | tail -1

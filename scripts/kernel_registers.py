@@ -1,8 +1,10 @@
-"""Registers, spills and shared memory of the attention kernels, compiled for an H200 (sm_90)
-on a machine without a GPU, and how many programs of each then fit on one SM.
+"""Registers, spills and shared memory of the attention kernels (and of gemv, with its
+prologues), compiled for an H200 (sm_90) on a machine without a GPU, and how many programs of
+each then fit on one SM.
 
     python3 scripts/kernel_registers.py                 # decode and extend, uncapped
     python3 scripts/kernel_registers.py --caps 168 128  # also with those register caps (maxnreg)
+    python3 scripts/kernel_registers.py --gemv          # gemv at the decode shapes instead
 
 Why: on the GPU, whether a launch fits 2 or 3 programs per SM decided the fp8 decode kernel's
 speed (docs/BENCHMARKS.md, eighth session), and that is fixed at compile time. ptxas ships with
@@ -32,7 +34,7 @@ from triton.compiler import ASTSource
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from minfer.kernels import attention_decode, attention_extend  # noqa: E402
+from minfer.kernels import attention_decode, attention_extend, gemv  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536
@@ -58,7 +60,7 @@ def arg_type(name: str, pool: str) -> str:
         return "*i32"
     if name.endswith("_ptr"):
         return "*bf16"  # the model's dtype
-    if name in ("eps", "sm_scale_log2"):
+    if name in ("eps", "sm_scale_log2"):  # (gemv's pointers are all the model's dtype too)
         return "fp32"
     return "i32"
 
@@ -140,16 +142,50 @@ def cases():
             yield label, ae._extend_kernel, pool, constexprs, warps, stages, cap
 
 
+def gemv_cases():
+    """gemv's launches at the one-row (and two-row) decode shapes, plain and with the prologue
+    the engine would give it (MINFER_GEMV_PROLOGUE=on), in the same tuple form as `cases`."""
+    shapes = {  # name: (N, K, prologue)
+        "qwen3-0.6b qkv": (4096, 1024, gemv._NORM),
+        "qwen3-0.6b gate_up": (6144, 1024, gemv._NORM),
+        "qwen3-0.6b down": (1024, 3072, gemv._SILU),
+        "llama-8b qkv": (6144, 4096, gemv._NORM),
+        "llama-8b gate_up": (28672, 4096, gemv._NORM),
+        "llama-8b down": (4096, 14336, gemv._SILU),
+    }
+    for name, (n, k, prologue) in shapes.items():
+        for rows in (1, 2):
+            if rows == 2 and k > gemv.MAX_K_TWO_ROWS:
+                continue
+            block_n, block_k, warps = gemv.choose_config(n, k, 132, rows)
+            for folded in (gemv._PLAIN, prologue):
+                constexprs = dict(
+                    ROWS=rows,
+                    HAS_BIAS=False,
+                    PROLOGUE=folded.value,
+                    HAS_RESIDUAL=folded == gemv._NORM,
+                    BLOCK_N=block_n,
+                    BLOCK_K=block_k,
+                    PDL=True,
+                )
+                kind = {0: "plain", 1: "+norm", 2: "+silu"}[folded.value]
+                label = f"gemv {name} M={rows} {kind}"
+                yield label, gemv._gemv_kernel, "bf16", constexprs, warps, 1, None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--caps", type=int, nargs="*", default=[], help="register caps to compile with too")
+    parser.add_argument(
+        "--gemv", action="store_true", help="gemv's launches instead of the attention kernels"
+    )
     args = parser.parse_args()
     print(f"triton {triton.__version__}, target sm_90 (the device's Triton is 3.6: see the docstring)")
     print("(* the cap the engine launches with)")
     print(
         f"{'launch':32s} {'cap':>5s} {'registers':>9s} {'spill B':>7s} {'shared B':>8s} {'programs/SM':>11s}"
     )
-    for label, kernel, pool, constexprs, warps, stages, engine_cap in cases():
+    for label, kernel, pool, constexprs, warps, stages, engine_cap in gemv_cases() if args.gemv else cases():
         for cap in dict.fromkeys([None, engine_cap, *args.caps]):
             registers, spill, shared = compile_for_h200(kernel, pool, constexprs, warps, stages, cap)
             mark = "*" if cap == engine_cap else " "
