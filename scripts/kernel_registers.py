@@ -47,6 +47,7 @@ INDEX_ARGS = (
     "cu_extend_lens_ptr",
     "positions_ptr",
     "out_loc_ptr",
+    "tiles_ptr",
 )
 
 
@@ -138,8 +139,9 @@ def cases():
                 BLOCK_D=128,
                 HEAVY_FIRST=ae.HEAVY_FIRST,
             )
-            label = f"extend {pool:7s} {config_name} {block_m}x{block_n}"
-            yield label, ae._extend_kernel, pool, constexprs, warps, stages, cap
+            for tiled in (False, True):  # eager passes, and prefill graphs' fixed tile maps
+                label = f"extend {pool:7s} {config_name} {block_m}x{block_n}{' tiled' if tiled else ''}"
+                yield label, ae._extend_kernel, pool, {**constexprs, "TILED": tiled}, warps, stages, cap
 
 
 def gemv_cases():
