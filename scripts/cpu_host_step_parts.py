@@ -51,6 +51,8 @@ def main() -> None:
         "SamplingTensors.build (1 request)",
         lambda: SamplingTensors.build([req.params], [req.seed], [req.device_len], 10001, llm.engine.device),
     )
+    cache = llm.engine.sampling_tensors
+    timeit("SamplingTensorCache.get (1, same request)", lambda: cache.get([req], 10001, llm.engine.device))
 
 
 if __name__ == "__main__":

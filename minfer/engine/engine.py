@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from minfer.engine.graphs import capture_cuda_graphs
 from minfer.engine.logprobs import LogprobTensors, reduce_logprobs, rows_of
 from minfer.engine.memory import MemoryBudget, plan_memory
 from minfer.engine.sample_step import sample_step
+from minfer.engine.sampler import SamplingTensorCache
 from minfer.kvcache.host_pool import HostKVPool, host_available_bytes
 from minfer.kvcache.page_table import PageTable, runs_of_positions
 from minfer.kvcache.pool import KVPool
@@ -143,6 +145,7 @@ class Engine:
         self.config = config
         self.tp = tp
         self.vocab_parallel_draws = 0  # batches drawn shard by shard (engine/vocab_parallel.py)
+        self.sampling_tensors = SamplingTensorCache()  # consecutive decode steps share them
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             if tp.size > 1:  # one GPU per rank of this node
@@ -327,9 +330,7 @@ class Engine:
         self, batch: Batch, hidden: torch.Tensor, spans: list[tuple[int, int, int]]
     ) -> LogprobTensors:
         """Logits of the spans' hidden rows only, reduced to logprobs on the device."""
-        offsets = [0]
-        for n in batch.extend_lens:
-            offsets.append(offsets[-1] + n)
+        offsets = list(itertools.accumulate(batch.extend_lens, initial=0))  # each request's first row
         rows, targets = [], []
         for i, first, count in spans:
             req = batch.reqs[i]

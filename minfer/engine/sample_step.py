@@ -18,7 +18,7 @@ from minfer.core import Req
 from minfer.device import to_device
 from minfer.engine.logprobs import LogprobTensors, reduce_logprobs
 from minfer.engine.penalties import apply_adjustments, build_adjustments
-from minfer.engine.sampler import SamplingTensors, filters_apply, sample
+from minfer.engine.sampler import filters_apply, sample
 from minfer.engine.vocab_parallel import sample_vocab_parallel
 
 if TYPE_CHECKING:
@@ -34,13 +34,7 @@ def sample_step(
     logprob_rows = [j for j, r in enumerate(chosen) if r.params.logprobs is not None]
     adjustments = build_adjustments(chosen, engine.page_table, engine.vocab_size, engine.device)
     has_grammar = any(r.grammar is not None for r in chosen)
-    st = SamplingTensors.build(
-        [r.params for r in chosen],
-        [r.seed for r in chosen],
-        [r.device_len for r in chosen],
-        engine.vocab_size,
-        engine.device,
-    )
+    st = engine.sampling_tensors.get(chosen, engine.vocab_size, engine.device)
     if engine.tp.size > 1:
         whole_row_needed = (
             logprob_rows

@@ -9,6 +9,7 @@ argmax(logits / T + Gumbel noise) is a sample from softmax(logits / T).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,34 @@ class SamplingTensors:
             any_top_p=any(p.top_p < 1 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
         )
+
+
+class SamplingTensorCache:
+    """SamplingTensors for passes over the same requests in the same order (decode steps between
+    two changes of the running set): the per-request parameters and seeds are built and staged
+    once, and each pass stages only its positions. A request's sampling parameters and seed do
+    not change while it lives. Compared by identity, so a request object held here stays alive
+    (and its address unused) until the next change; at batch 1 this halves the host's work of
+    building them (docs/BENCHMARKS.md, "Host work of a decode step")."""
+
+    def __init__(self):
+        self._reqs: tuple = ()
+        self._tensors: SamplingTensors | None = None
+
+    def get(self, reqs: list, vocab_size: int, device: torch.device) -> SamplingTensors:
+        """SamplingTensors of `reqs` (minfer.core.Req) at their current positions."""
+        positions = [r.device_len for r in reqs]
+        same = len(reqs) == len(self._reqs) and all(a is b for a, b in zip(reqs, self._reqs))
+        if not same or self._tensors is None:
+            self._reqs = tuple(reqs)
+            self._tensors = SamplingTensors.build(
+                [r.params for r in reqs], [r.seed for r in reqs], positions, vocab_size, device
+            )
+            return self._tensors
+        self._tensors = dataclasses.replace(
+            self._tensors, positions=to_device(positions, torch.int64, device)
+        )
+        return self._tensors
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

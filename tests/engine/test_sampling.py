@@ -87,3 +87,46 @@ def test_cpu_argmax_takes_the_first_maximum():
     rows[3, 123] = float("nan")  # NaN propagates, as in argmax
     assert torch.equal(_argmax(rows), rows.argmax(dim=-1))
     assert _argmax(rows)[1] == 70
+
+
+def test_the_cache_rebuilds_whenever_the_requests_change_and_only_moves_positions_otherwise():
+    """SamplingTensorCache against SamplingTensors.build: same requests in the same order share
+    the parameters (new positions each pass); another set, another order or a new request
+    object with another request's position is built afresh."""
+    from minfer.core import Req
+    from minfer.engine.sampler import SamplingTensorCache
+
+    def req(uid, temperature, seed, length):
+        r = Req(
+            uid=uid,
+            token_ids=[1] * length,
+            prompt_len=length,
+            params=SamplingParams(temperature=temperature, top_k=uid + 2),
+            seed=seed,
+        )
+        r.device_len = length
+        return r
+
+    def built(reqs):
+        return SamplingTensors.build(
+            [r.params for r in reqs],
+            [r.seed for r in reqs],
+            [r.device_len for r in reqs],
+            100,
+            torch.device("cpu"),
+        )
+
+    a, b, c = req(0, 0.5, 11, 3), req(1, 0.0, 12, 5), req(2, 1.5, 13, 7)
+    cache = SamplingTensorCache()
+    for reqs in ([a, b], [a, b], [b, a], [a, b, c], [a, c], [req(0, 0.9, 99, 3), c]):
+        for r in reqs:
+            r.device_len += 1  # a decode step moved every request on
+        got, want = cache.get(reqs, 100, torch.device("cpu")), built(reqs)
+        for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "positions"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert (got.all_greedy, got.any_top_k, got.any_top_p, got.any_min_p) == (
+            want.all_greedy,
+            want.any_top_k,
+            want.any_top_p,
+            want.any_min_p,
+        )
