@@ -62,15 +62,19 @@ def pdl_start(PDL_RELEASE: tl.constexpr, PDL_WAIT: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def matmul_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def matmul_operands(
+    x: torch.Tensor, weight: torch.Tensor, features: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For y = x [..., K] @ weight [N, K].T: x as [M, K] rows with a contiguous last dim (rows may
     stay strided) and the uninitialised output [M, N] in x's dtype. Reshape the output with
-    `out.reshape(*x.shape[:-1], N)`."""
+    `out.reshape(*x.shape[:-1], N)`. `features`: x's row width when it is not K (gemv's SiLU
+    prologue reads rows of [gate | up], 2K wide)."""
     n, k = weight.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    features = features or k
+    if x.shape[-1] != features:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {features}")
     assert weight.stride(-1) == 1
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return x2, torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)

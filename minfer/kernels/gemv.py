@@ -186,11 +186,7 @@ def gated_gemv(
     n, k = weight.shape
     if gate_up.shape[-1] != 2 * k:
         raise ValueError(f"gate_up has {gate_up.shape[-1]} features, weight expects 2 x {k}")
-    assert weight.stride(-1) == 1
-    x2 = gate_up.reshape(-1, 2 * k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty((x2.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
+    x2, out = matmul_operands(gate_up, weight, features=2 * k)
     _launch(x2, weight, bias, out, config, _SILU)
     return out.reshape(*gate_up.shape[:-1], n)
 
