@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import sys
 import time
 from collections.abc import Callable
@@ -168,6 +169,15 @@ def join_tp_group(
         torch.cuda.set_device(local_rank)
     else:  # ranks of a node share its cores: N ranks each using every core would thrash
         set_cpu_threads(getattr(config, "cpu_threads", None), layout.per_node)
+    # torch.distributed.nn.functional's collectives take `group=group.WORLD` as a default
+    # argument, evaluated when the module is first imported. transformers imports it (config and
+    # tokenizer loading, after this), so a first import inside a TP job captured this job's world
+    # group for the life of the process: leave_tp_group could not free it, and the gloo group and
+    # the store were destroyed at interpreter exit instead, which now and then aborted the
+    # process ("terminate called without an active exception"). Imported before the group
+    # exists, the defaults stay None.
+    importlib.import_module("torch.distributed.nn.functional")
+
     previous_hook = sys.excepthook
     dist.init_process_group(
         "nccl" if device_type == "cuda" else "gloo", store=store, rank=rank, world_size=config.tp

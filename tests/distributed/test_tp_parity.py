@@ -122,18 +122,25 @@ def test_two_nodes_same_code_path(model_dir, tmp_path):
     assert got == expected
 
 
-def test_traceback_rank_prefix_once_after_several_tp_jobs(model_dir):
-    """torch prefixes '[rank0]: ' to traceback lines at every process-group init; two TP jobs in
-    one process must not make it '[rank0]: [rank0]: '."""
+def test_several_tp_jobs_in_one_process_free_their_groups(model_dir):
+    """Two TP jobs in one fresh process: each job's gloo groups and rendezvous store are freed
+    with the job (their native threads gone), not kept until interpreter exit, where their
+    destruction now and then aborted the process. And torch, which prefixes '[rank0]: ' to
+    traceback lines at every process-group init, must not make it '[rank0]: [rank0]: '."""
     path = model_dir("llama", 2)
     code = (
+        f"import gc, os\n"
         f"from minfer import LLM\n"
         f"for _ in range(2):\n"
         f"    LLM({path!r}, tp=2, log_level='warning').shutdown()\n"
+        f"    gc.collect()\n"
+        f"    names = [open(f'/proc/self/task/{{t}}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+        f"    print('group threads left:', sorted(n for n in names if 'gloo' in n or 'tcpstore' in n))\n"
         f"raise RuntimeError('after two TP jobs')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 1
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.count("group threads left: []") == 2, proc.stdout
     assert "[rank0]: RuntimeError: after two TP jobs" in proc.stderr, proc.stderr[-2000:]
     assert "[rank0]: [rank0]:" not in proc.stderr
 
