@@ -104,8 +104,13 @@ class StepLeader:
         self.in_step = False
         self.stopped = False
         self.engine: Engine | None = None  # rank 0's engine, whose CUDA graphs go before the group
+        self._stopping = threading.Event()  # wakes the watchdog at shutdown
+        self._watchdog: threading.Thread | None = None
         if tp.size > 1 and ranks is not None:
-            threading.Thread(target=self._watch_ranks, name="minfer-tp-watchdog", daemon=True).start()
+            self._watchdog = threading.Thread(
+                target=self._watch_ranks, name="minfer-tp-watchdog", daemon=True
+            )
+            self._watchdog.start()
 
     # -- start-up ------------------------------------------------------------------------------
     def agree(self, engine: Engine) -> None:
@@ -194,13 +199,14 @@ class StepLeader:
                     log.critical("%s; rank 0 is stuck in a collective: exiting", "; ".join(dead))
                     os._exit(1)
                 return
-            time.sleep(0.2)
+            self._stopping.wait(0.2)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Tell the followers to leave (graceful) or stop them, then leave the groups."""
         if self.tp.size == 1 or self.stopped:
             return
         self.stopped = True
+        self._stopping.set()
         if graceful and not self.failure:
             try:
                 self._publish(stop=True)
@@ -213,6 +219,10 @@ class StepLeader:
             # to be destroyed: with them alive, leave_tp_group never returned (2 x H200).
             self.engine.release_cuda_graphs()
         leave_tp_group(self.tp)
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            # Its frame holds this leader, and so the groups, until it returns: joined, the job's
+            # groups and store are freed with the job rather than whenever the thread wakes.
+            self._watchdog.join(timeout=1.0)
 
 
 def follow(tp: TPGroup, engine: Engine, scheduler: Scheduler) -> None:
