@@ -40,8 +40,9 @@ from kernel_cases import make_paged_batch
 
 from minfer.kernels import attention_decode, attention_extend, gemm
 from minfer.kernels.activation import silu_and_mul, silu_and_mul_reference
-from minfer.kernels.attention_decode import decode_attention, decode_attention_reference
-from minfer.kernels.attention_extend import extend_attention, extend_attention_reference
+from minfer.kernels.attention_decode import decode_attention
+from minfer.kernels.attention_extend import extend_attention
+from minfer.kernels.attention_reference import decode_attention_reference, extend_attention_reference
 from minfer.kernels.norm import rmsnorm, rmsnorm_reference
 from minfer.kernels.rope_store import rope_store
 from minfer.layers.rotary import RotaryEmbedding

@@ -45,8 +45,9 @@ if importlib.util.find_spec("msgspec") is None:  # the GPU host has no msgspec: 
 from kernel_cases import make_paged_batch
 
 from minfer.kernels import attention_extend
-from minfer.kernels.attention_decode import decode_attention, decode_attention_reference
-from minfer.kernels.attention_extend import extend_attention, extend_attention_reference
+from minfer.kernels.attention_decode import decode_attention
+from minfer.kernels.attention_extend import extend_attention
+from minfer.kernels.attention_reference import decode_attention_reference, extend_attention_reference
 from minfer.kernels.rope_store import rope_store
 from minfer.kvcache.pool import FP8_MAX, quantize_fp8
 from minfer.layers.rotary import RotaryEmbedding

@@ -105,7 +105,7 @@ def cases():
     ad, ae = attention_decode, attention_extend
     for pool, scaled in (("bf16", False), ("fp8e4nv", True)):
         block_n = ad.FP8_BLOCK_N if scaled else ad.BLOCK_N
-        for splits, new_kv in ((1, False), (4, False), (4, True)):
+        for splits, new_kv, window in ((1, False, 0), (4, False, 0), (4, True, 0), (4, True, 4096)):
             constexprs = dict(
                 GROUP=2,
                 HEAD_DIM=128,
@@ -116,11 +116,13 @@ def cases():
                 BLOCK_H=16,
                 BLOCK_D=128,
                 BLOCK_N=block_n,
+                WINDOW=window,
             )
             if splits == 1:
                 constexprs["num_splits"] = 1  # Triton specializes an int argument equal to 1
             label = (
                 f"decode {pool:7s} {'1 split' if splits == 1 else 'splits'}{' +prologue' if new_kv else ''}"
+                f"{' window' if window else ''}"
             )
             engine_cap = ad.FP8_MAX_REGISTERS if scaled else None
             yield label, ad._decode_split_kernel, pool, constexprs, ad.NUM_WARPS, ad.NUM_STAGES, engine_cap
@@ -139,9 +141,19 @@ def cases():
                 BLOCK_D=128,
                 HEAVY_FIRST=ae.HEAVY_FIRST,
             )
-            for tiled in (False, True):  # eager passes, and prefill graphs' fixed tile maps
+            # eager passes, prefill graphs' fixed tile maps, and a sliding window's (Mistral's)
+            for tiled, window in ((False, 0), (True, 0), (True, 4096)):
                 label = f"extend {pool:7s} {config_name} {block_m}x{block_n}{' tiled' if tiled else ''}"
-                yield label, ae._extend_kernel, pool, {**constexprs, "TILED": tiled}, warps, stages, cap
+                label += " window" if window else ""
+                yield (
+                    label,
+                    ae._extend_kernel,
+                    pool,
+                    {**constexprs, "TILED": tiled, "WINDOW": window},
+                    warps,
+                    stages,
+                    cap,
+                )
 
 
 def gemv_cases():

@@ -41,7 +41,7 @@ def tiny_hf_config(arch: str, **overrides):
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**kw, head_dim=32, tie_word_embeddings=True)
     elif arch == "mistral":
-        cfg = transformers.MistralConfig(**kw, sliding_window=None, tie_word_embeddings=False)
+        cfg = transformers.MistralConfig(**{"sliding_window": None, **kw}, tie_word_embeddings=False)
     elif arch == "qwen3_moe":  # layer 0 sparse (8 experts, top 2), layer 1 dense (mlp_only_layers)
         moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
         cfg = transformers.Qwen3MoeConfig(
@@ -49,7 +49,7 @@ def tiny_hf_config(arch: str, **overrides):
         )
     elif arch == "mixtral":
         kw = {"num_local_experts": 4, "num_experts_per_tok": 2, **kw}
-        cfg = transformers.MixtralConfig(**kw, sliding_window=None, tie_word_embeddings=False)
+        cfg = transformers.MixtralConfig(**{"sliding_window": None, **kw}, tie_word_embeddings=False)
     else:
         raise ValueError(arch)
     return cfg

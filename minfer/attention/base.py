@@ -59,10 +59,17 @@ class AttentionBackend(Protocol):
     writes_new_kv: bool
 
     def forward(
-        self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, new_kv: NewKV | None = None
+        self,
+        q: torch.Tensor,
+        layer: int,
+        ctx: ForwardContext,
+        scale: float,
+        new_kv: NewKV | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D] of the pass's tokens. Returns [T, Hq, D]. Without `new_kv` the pass's
-        K/V are already in the pool and q is final."""
+        K/V are already in the pool and q is final. With a `window`, the query at position i
+        sees the keys at (i - window, i] only (layers/attention.py)."""
 
 
 def build_metadata(

@@ -22,17 +22,22 @@ from minfer.attention.base import AttentionMetadata, ForwardContext
 
 
 class DecodePlan:
-    """What every layer's decode attention of one pass shares: the batch's K/V slots
-    [B, S_max] (padding points at each request's first slot, which holds real, finite K/V)
-    and the additive mask [B, 1, S_max] (0 for a key, -inf for padding)."""
+    """What every layer's decode attention of one pass shares (per sliding window, if a layer
+    has one): the batch's K/V slots [B, S_max] (padding points at each request's first slot,
+    which holds real, finite K/V) and the additive mask [B, 1, S_max] (0 for a key, -inf for
+    padding and for keys before the window)."""
 
-    def __init__(self, meta: AttentionMetadata):
+    def __init__(self, meta: AttentionMetadata, window: int | None = None):
         seq_lens = meta.seq_lens.long()
         longest = int(max(p + e for p, e in zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)))
         rows = meta.page_table.index_select(0, meta.table_idx.long())[:, :longest].long()
         positions = torch.arange(longest, device=rows.device)
         visible = positions.unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, S_max]
+        if window is not None:  # the new token at seq_len - 1 sees keys [seq_len - window, seq_len)
+            visible &= positions.unsqueeze(0) >= (seq_lens - window).unsqueeze(1)
         self.meta = meta
+        self.window = window
+        self.rows = rows  # [B, S_max] every position's slot, padding and keys before a window too
         self.slots = torch.where(visible, rows, rows[:, :1]).reshape(-1)
         self.mask = torch.zeros(visible.shape, dtype=torch.float32, device=rows.device)
         self.mask.masked_fill_(~visible, float("-inf"))
@@ -46,13 +51,24 @@ class TorchAttentionBackend:
     writes_new_kv = False  # the model (or layers/attention.py on CUDA) stores the pass's K/V first
 
     def __init__(self):
-        self._plan: DecodePlan | None = None  # of the current pass, built by its first layer
+        self._plans: dict[int | None, DecodePlan] = {}  # of the current pass, by sliding window
 
-    def decode_plan(self, meta: AttentionMetadata) -> DecodePlan:
-        """The pass's plan: built by its first layer, shared by the others."""
-        if self._plan is None or self._plan.meta is not meta:
-            self._plan = self.plan_type(meta)
-        return self._plan
+    def decode_plan(self, meta: AttentionMetadata, window: int | None = None) -> DecodePlan:
+        """The pass's plan: built by its first layer (of this window), shared by the others."""
+        plan = self._plans.get(window)
+        if plan is None or plan.meta is not meta:
+            plan = self._plans[window] = self.plan_type(meta, window)
+        return plan
+
+    @staticmethod
+    def visible_keys(extend: int, seq: int, window: int | None, device) -> torch.Tensor:
+        """[extend, seq] bool: query j sits at position prefix + j (prefix = seq - extend) and
+        sees keys [0, prefix + j], or with a window only (prefix + j - window, prefix + j]."""
+        prefix = seq - extend
+        visible = torch.ones(extend, seq, dtype=torch.bool, device=device).tril(diagonal=prefix)
+        if window is not None:
+            visible = visible.triu(diagonal=prefix - window + 1)
+        return visible
 
     @staticmethod
     def requests_kv(ctx: ForwardContext, layer: int):
@@ -68,15 +84,17 @@ class TorchAttentionBackend:
             start += extend
 
     def forward(
-        self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, new_kv=None
+        self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, new_kv=None, window=None
     ) -> torch.Tensor:
         assert new_kv is None, "this backend expects the pass's K/V in the pool (writes_new_kv is False)"
         if ctx.attn.is_decode:
-            return self._decode(q, layer, ctx, scale)
-        return self._per_request(q, layer, ctx, scale)
+            return self._decode(q, layer, ctx, scale, window)
+        return self._per_request(q, layer, ctx, scale, window)
 
-    def _decode(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
-        plan = self.decode_plan(ctx.attn)
+    def _decode(
+        self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, window=None
+    ) -> torch.Tensor:
+        plan = self.decode_plan(ctx.attn, window)
         batch, num_heads, head_dim = q.shape
         num_kv_heads = ctx.kv_pool.num_kv_heads
         group = num_heads // num_kv_heads
@@ -94,7 +112,9 @@ class TorchAttentionBackend:
             torch.bmm(scores.softmax(dim=-1), v[:, :, h], out=out[:, h])
         return out.view(batch, num_heads, head_dim).to(q.dtype)
 
-    def _per_request(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+    def _per_request(
+        self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, window=None
+    ) -> torch.Tensor:
         num_heads, num_kv_heads = q.shape[1], ctx.kv_pool.num_kv_heads
         group = num_heads // num_kv_heads
         out = torch.empty_like(q)
@@ -106,9 +126,8 @@ class TorchAttentionBackend:
                 v = v.repeat_interleave(group, dim=0)
             qi = q[start : start + extend].transpose(0, 1)  # [Hq, E, D]
             scores = torch.matmul(qi.float(), k.float().transpose(1, 2)) * scale  # [Hq, E, S]
-            if extend > 1:  # query j sits at position prefix + j and sees keys [0, prefix + j]
-                visible = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
-                scores = scores.masked_fill(~visible, float("-inf"))
+            if extend > 1 or (window is not None and seq > window):
+                scores = scores.masked_fill(~self.visible_keys(extend, seq, window, q.device), float("-inf"))
             o = torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)
             out[start : start + extend] = o.transpose(0, 1)
         return out

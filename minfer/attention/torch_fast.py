@@ -32,14 +32,16 @@ class FastDecodePlan(DecodePlan):
     """DecodePlan plus, where every request's slots are one ascending run, each run's
     (first slot, length): the layers then read K/V in place."""
 
-    def __init__(self, meta: AttentionMetadata):
-        super().__init__(meta)
+    def __init__(self, meta: AttentionMetadata, window: int | None = None):
+        super().__init__(meta, window)
         self.runs: list[tuple[int, int]] | None = None
         if meta.batch_size == 1:  # per-request views cost a Python loop; worth it for one
             length = self.longest
-            slots = self.slots[:length]
+            slots = self.rows[0]
             first = int(slots[0])
             if int(slots[-1]) - first == length - 1 and bool((slots.diff() == 1).all()):
+                if window is not None and length > window:  # only the window's keys: the run's end
+                    first, length = first + length - window, window
                 self.runs = [(first, length)]
         self.attn_mask = self.mask.view(meta.batch_size, 1, 1, self.longest)
 
@@ -52,11 +54,13 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         super().__init__()
         self._k_buf = self._v_buf = torch.empty(0)
         self._masks_of: AttentionMetadata | None = None
-        self._masks: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
 
     # TorchAttentionBackend.forward dispatches to these two: a decode pass, a prefill pass.
-    def _decode(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
-        plan = self.decode_plan(ctx.attn)
+    def _decode(
+        self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, window=None
+    ) -> torch.Tensor:
+        plan = self.decode_plan(ctx.attn, window)
         pool = ctx.kv_pool
         batch, num_heads, head_dim = q.shape
         if plan.runs is not None and not pool.quantized and q.dtype == pool.k[layer].dtype == torch.float32:
@@ -101,9 +105,11 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         v = torch.index_select(pool.v[layer], 0, slots, out=self._v_buf[:size].view(shape))
         return k, v
 
-    def _per_request(self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float) -> torch.Tensor:
+    def _per_request(
+        self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, window=None
+    ) -> torch.Tensor:
         meta = ctx.attn
-        if self._masks_of is not meta:  # one causal mask per request per pass, not per layer
+        if self._masks_of is not meta:  # one causal mask per request (and window) per pass, not per layer
             self._masks_of, self._masks = meta, {}
         num_kv_heads = ctx.kv_pool.num_kv_heads
         group = q.shape[1] // num_kv_heads
@@ -111,11 +117,11 @@ class FastTorchAttentionBackend(TorchAttentionBackend):
         for i, start, prefix, extend, k, v in self.requests_kv(ctx, layer):
             seq = prefix + extend
             k, v = k.float(), v.float()  # [S, Hk, D]
-            mask = self._masks.get(i)
-            if mask is None:  # query j sits at position prefix + j and sees keys [0, prefix + j]
-                visible = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+            mask = self._masks.get((i, window))
+            if mask is None:
+                visible = self.visible_keys(extend, seq, window, q.device)
                 mask = torch.zeros(extend, seq, device=q.device).masked_fill_(~visible, float("-inf"))
-                self._masks[i] = mask
+                self._masks[i, window] = mask
             rows = q[start : start + extend].float()
             # Per KV head, its `group` query heads are the batch of one baddbmm against the
             # head's K/V slice, broadcast (stride 0) rather than repeat_interleave'd.

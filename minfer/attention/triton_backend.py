@@ -32,7 +32,13 @@ class TritonAttentionBackend:
     writes_new_kv = True
 
     def forward(
-        self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, new_kv: NewKV | None = None
+        self,
+        q: torch.Tensor,
+        layer: int,
+        ctx: ForwardContext,
+        scale: float,
+        new_kv: NewKV | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]. Returns [T, Hq, D].
 
@@ -59,6 +65,7 @@ class TritonAttentionBackend:
                 scale,
                 **scales,
                 new_kv=new_kv,
+                window=window,
             )
         if meta.extend_tiles is None:
             block_m = launch_config(meta.max_extend_len, q.is_cuda, pool.quantized)[0]
@@ -77,4 +84,5 @@ class TritonAttentionBackend:
             scale,
             **scales,
             tiles=meta.extend_tiles,
+            window=window,
         )

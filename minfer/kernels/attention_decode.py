@@ -30,7 +30,6 @@ from minfer.kernels.attention_merge import merge_splits
 from minfer.kernels.common import (
     attend_blocks,
     fp8_pool_operand,
-    gather_rows,
     num_sms,
     pdl_args,
     pdl_start,
@@ -47,10 +46,9 @@ BLOCK_N = 64  # keys per inner step
 FP8_BLOCK_N = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
-# An fp8 pool's kernel takes 200 registers per thread uncapped (live values around the e4m3 ->
-# fp16 widening): two programs per SM, too few loads in flight (ncu at B=256: 2.40 TB/s). Capped
-# at 168, three fit without spilling: 218 -> 185 us at B=256 (a cap of 128 spills: 209 us). The
-# bf16 kernel uses 128 and four fit. scripts/gpu_decode_layout.py --registers sweeps it.
+# An fp8 pool's kernel takes 200 registers uncapped (around the e4m3 -> fp16 widening): two
+# programs per SM, too few loads in flight (ncu, B=256: 2.40 TB/s). Capped at 168 three fit, no
+# spills: 218 -> 185 us at B=256 (128 spills: 209 us). scripts/gpu_decode_layout.py --registers.
 FP8_MAX_REGISTERS = 168
 
 
@@ -102,12 +100,13 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     PDL_RELEASE: tl.constexpr,
     PDL_WAIT: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     pdl_start(PDL_RELEASE, PDL_WAIT)  # the merge, or o_proj's gemv, may start meanwhile
-    # Grid (kv head, request, split), kv head fastest: the programs of one request's heads, which
-    # read neighbouring parts of the same slot rows, run side by side. H200, CUDA-graph timed,
-    # Qwen3-0.6B heads, B=256 ctx~1024 (scripts/gpu_decode_layout.py, which had the other order
-    # too): bf16 254.8 -> 250.7 us, fp8 217.8 -> 213.8 against (request, kv head, split).
+    # Grid (kv head, request, split), kv head fastest: one request's heads, which read nearby parts
+    # of the same slot rows, run side by side. H200, graph-timed, Qwen3-0.6B heads, B=256 ctx~1024
+    # (scripts/gpu_decode_layout.py): bf16 254.8 -> 250.7 us, fp8 217.8 -> 213.8 against the
+    # (request, kv head, split) order.
     kv_head = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,8 +114,11 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(table_idx_ptr + b).to(tl.int64)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    first = 0  # the first key the new token sees: with a sliding window, seq_len - WINDOW
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -181,7 +183,7 @@ def _decode_split_kernel(
     if KV_SCALED:  # an fp8 cache: K's scale folds into the scores, V's into the output
         sm_scale_log2 = sm_scale_log2 * k_scale
         q = fp8_pool_operand(q)
-    # The new token sees every cached key: bounds masking only, no causal mask (q_pos unused).
+    # The new token sees every key of [first, seq_len): bounds masking only (q_pos unused).
     m_i, l_i, acc = attend_blocks(
         q,
         m_i,
@@ -202,6 +204,7 @@ def _decode_split_kernel(
         True,
         False,
         BLOCK_N,
+        0,
     )
 
     # An empty slice (split past the end) has l_i = 0: its output is 0 and its lse -inf.
@@ -249,8 +252,10 @@ def decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     new_kv: NewKV | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per request over its cached keys [0, seq_lens[b]).
+    """Attention of one new token per request over its cached keys [0, seq_lens[b]), or with a
+    sliding `window` over the last `window` of them.
 
     q: [B, Hq, D]; k_pool, v_pool: [slots, Hk, D] (last dim contiguous); page_table: [rows, max_len]
     int32; table_idx, seq_lens: [B] int32 on the device. Returns [B, Hq, D] in q's dtype.
@@ -269,7 +274,8 @@ def decode_attention(
     group = num_heads // num_kv_heads
     block_n = FP8_BLOCK_N if k_scale is not None else BLOCK_N
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, page_table.shape[1], q.device, block_n)
+        longest = min(page_table.shape[1], window or page_table.shape[1])
+        num_splits = choose_num_splits(batch, num_kv_heads, longest, q.device, block_n)
     if out is None:
         out = torch.empty_like(q)
     block_d = triton.next_power_of_2(head_dim)
@@ -318,33 +324,10 @@ def decode_attention(
         BLOCK_N=block_n,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
+        WINDOW=window or 0,
         **register_cap,
         **pdl_args(q.device),
     )
     if num_splits > 1:
         merge_splits(out, part_out, part_lse)
-    return out
-
-
-def decode_attention_reference(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    page_table: torch.Tensor,
-    table_idx: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The same computation in plain torch, request by request, accumulated in fp32; an fp8
-    pool is dequantized first, as KVPool.gather does."""
-    out = torch.empty_like(q)
-    group = q.shape[1] // k_pool.shape[1]
-    for b, (row, seq) in enumerate(zip(table_idx.tolist(), seq_lens.tolist())):
-        slots = page_table[row, :seq].long()
-        k = gather_rows(k_pool, slots, k_scale, q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
-        v = gather_rows(v_pool, slots, v_scale, q.dtype).repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,shd->hs", q[b].float(), k) * scale
-        out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), v).to(q.dtype)
     return out

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import attend_blocks, fp8_pool_operand, gather_rows
+from minfer.kernels.common import attend_blocks, fp8_pool_operand
 
 LOG2E = 1.4426950408889634
 # GPU launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages, register cap: Triton's
@@ -99,6 +99,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     HEAVY_FIRST: tl.constexpr,
     TILED: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     if TILED:  # tiles_ptr: [2, stride_tiles] int32, row 0 the request, row 1 its query block
         b = tl.load(tiles_ptr + tl.program_id(0))
@@ -143,12 +144,15 @@ def _extend_kernel(
     page_row = page_table_ptr + row * stride_page_row
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
-    # Keys before the block's first query position are visible to every row: whole key blocks
-    # of them need neither bounds nor causal masks. The rest, up to the last row's position,
-    # are masked.
+    # Keys before the block's first query position are visible to every row: whole key blocks of
+    # them need neither bounds nor causal masks. The rest, up to the last row's position, do.
     unmasked_end = (prefix + block_m * BLOCK_M) // BLOCK_N * BLOCK_N
     end = tl.minimum(seq_len, prefix + (block_m + 1) * BLOCK_M)
-    # Every row sees key 0, so after the first block the running maximum is finite in every row.
+    first = 0
+    if WINDOW > 0:  # row i sees keys (q_pos[i] - WINDOW, q_pos[i]]: every block masked both ways
+        first = tl.maximum(prefix + block_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        unmasked_end = first
+    # Without a window every row sees key 0, so after the first block every row's maximum is finite.
     m_i, l_i, acc = attend_blocks(
         q,
         q_pos,
@@ -160,7 +164,7 @@ def _extend_kernel(
         v_head,
         stride_ks,
         stride_vs,
-        0,
+        first,
         unmasked_end,
         sm_scale_log2,
         offs_n,
@@ -169,6 +173,7 @@ def _extend_kernel(
         False,
         True,
         BLOCK_N,
+        0,
     )
     m_i, l_i, acc = attend_blocks(
         q,
@@ -190,6 +195,7 @@ def _extend_kernel(
         True,
         True,
         BLOCK_N,
+        WINDOW,
     )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -237,8 +243,10 @@ def extend_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     tiles: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its keys [0, seq_lens[b]).
+    """Causal attention of each request's new tokens over its keys [0, seq_lens[b]); with a
+    sliding `window`, the query at position i over keys (i - window, i] only.
 
     q: [T, Hq, D] (last dim contiguous); k_pool, v_pool: [slots, Hk, D]; page_table: [rows, max_len]
     int32; table_idx, prefix_lens, seq_lens: [B] int32 and cu_extend_lens: [B + 1] int32, all on
@@ -301,38 +309,9 @@ def extend_attention(
         BLOCK_D=block_d,
         HEAVY_FIRST=HEAVY_FIRST,
         TILED=tiles is not None,
+        WINDOW=window or 0,
         num_warps=num_warps,
         num_stages=num_stages,
         **register_cap,
     )
-    return out
-
-
-def extend_attention_reference(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    page_table: torch.Tensor,
-    table_idx: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The same computation in plain torch, request by request, in fp32 (an fp8 pool is
-    dequantized first, as KVPool.gather does)."""
-    out = torch.empty_like(q)
-    group = q.shape[1] // k_pool.shape[1]
-    start = 0
-    for row, prefix, seq in zip(table_idx.tolist(), prefix_lens.tolist(), seq_lens.tolist()):
-        extend = seq - prefix
-        slots = page_table[row, :seq].long()
-        k = gather_rows(k_pool, slots, k_scale, q.dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
-        v = gather_rows(v_pool, slots, v_scale, q.dtype).repeat_interleave(group, dim=1)
-        scores = torch.einsum("ehd,shd->hes", q[start : start + extend].float(), k) * scale
-        visible = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out[start : start + extend] = torch.einsum("hes,shd->ehd", probs, v).to(q.dtype)
-        start += extend
     return out

@@ -169,12 +169,15 @@ def attend_blocks(
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Online-softmax steps of q's rows over keys [start, end), gathered slot by slot through
     a page-table row; returns the updated (running max, running sum, accumulator), base 2.
 
     MASKED: bound-check keys against `end` (without it every step must be a whole block).
     CAUSAL (with MASKED): the row at position q_pos[i] sees keys at positions <= q_pos[i].
+    WINDOW > 0 (with CAUSAL): and only keys at positions > q_pos[i] - WINDOW; a row may then
+    see no key of a block yet, so its running maximum may still be -inf.
     Used by the decode kernel (masked, not causal) and the extend kernel (both ways)."""
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
@@ -195,10 +198,15 @@ def attend_blocks(
             visible = n_mask[None, :]
             if CAUSAL:
                 visible = visible & (pos[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
             scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_base = m_new
+        if WINDOW > 0:  # a row with no key yet: exp2(-inf - 0) = 0 rather than exp2(nan)
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(scores - m_base[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0).to(
             q.dtype

@@ -17,7 +17,7 @@ from torch import nn
 from minfer.attention.base import ForwardContext
 from minfer.distributed.parallel import SINGLE, TPGroup
 from minfer.kernels.new_kv import NewKV
-from minfer.layers.attention import PagedAttention
+from minfer.layers.attention import PagedAttention, sliding_window_of
 from minfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minfer.layers.norm import RMSNorm
@@ -56,7 +56,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary  # one cos/sin table shared by all layers
         self.layer_id = layer_id
-        self.attn = PagedAttention(layer_id, self.num_heads, self.head_dim)
+        self.attn = PagedAttention(layer_id, self.num_heads, self.head_dim, sliding_window_of(cfg, layer_id))
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Attention over the output of `qkv_proj`, which the decoder layer runs (with its norm)."""

@@ -79,7 +79,7 @@ class _Layer:
 
     def __init__(self, layer: nn.Module):
         attn = layer.self_attn
-        self.layer_id, self.scale = attn.layer_id, attn.attn.scale
+        self.layer_id, self.scale, self.window = attn.layer_id, attn.attn.scale, attn.attn.sliding_window
         self.q_norm, self.k_norm = attn.q_norm, attn.k_norm  # Qwen3's per-head norms, or None
         self.qkv, self.o = _Linear(attn.qkv_proj), _Linear(attn.o_proj)
         self.input_norm = _Norm(layer.input_layernorm)
@@ -154,5 +154,5 @@ class LeanDecoderForward:
         swapped = qk.view(rows, rotary_heads, 2, head_dim // 2).flip(2).view(rows, rotary_heads, head_dim)
         rotated = torch.addcmul(qk * cos, swapped, sin)
         ctx.kv_pool.store(layer.layer_id, rotated[:, heads:], v, ctx.out_loc)
-        out = ctx.backend.forward(rotated[:, :heads], layer.layer_id, ctx, layer.scale)
+        out = ctx.backend.forward(rotated[:, :heads], layer.layer_id, ctx, layer.scale, window=layer.window)
         return out.reshape(rows, heads * head_dim)

@@ -74,7 +74,7 @@ def test_decode_matches_reference(seq_lens, layout):
     prefix = [s - 1 for s in seq_lens]
     fast = _both(_pool(gen), page_table, table_idx, prefix, [1] * len(seq_lens), True, gen)
     # A lone request on one ascending run is read in place; anything else goes through the gather.
-    assert (fast._plan.runs is not None) == (layout == "ascending" and len(seq_lens) == 1)
+    assert (fast._plans[None].runs is not None) == (layout == "ascending" and len(seq_lens) == 1)
 
 
 def test_decode_run_detection_rejects_a_broken_run():

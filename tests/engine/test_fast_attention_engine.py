@@ -30,9 +30,10 @@ class CheckedBackend(FastTorchAttentionBackend):
         self.reference = TorchAttentionBackend()
         self.calls = {"decode": 0, "prefill with a prefix": 0}
 
-    def forward(self, q, layer, ctx, scale, new_kv=None):  # new_kv: None on the CPU (writes_new_kv False)
-        got = super().forward(q, layer, ctx, scale, new_kv)
-        torch.testing.assert_close(got, self.reference.forward(q, layer, ctx, scale), rtol=1e-4, atol=1e-4)
+    def forward(self, q, layer, ctx, scale, new_kv=None, window=None):  # new_kv: None on the CPU
+        got = super().forward(q, layer, ctx, scale, new_kv, window)
+        expected = self.reference.forward(q, layer, ctx, scale, window=window)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         meta = ctx.attn
         if meta.is_decode:
             self.calls["decode"] += 1

@@ -12,8 +12,9 @@ from minfer.attention.base import ForwardContext, build_metadata
 from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.attention.triton_backend import TritonAttentionBackend
 from minfer.kernels import attention_extend
-from minfer.kernels.attention_decode import choose_num_splits, decode_attention, decode_attention_reference
-from minfer.kernels.attention_extend import extend_attention, extend_attention_reference, extend_tiles
+from minfer.kernels.attention_decode import choose_num_splits, decode_attention
+from minfer.kernels.attention_extend import extend_attention, extend_tiles
+from minfer.kernels.attention_reference import decode_attention_reference, extend_attention_reference
 from minfer.kvcache.pool import KVPool
 
 

@@ -70,8 +70,10 @@ def _fp8_pools(batch):
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_prologue_equals_rope_store_then_attention(dtype, qk_norm, num_splits, device):
+@pytest.mark.parametrize("num_splits,window", [(1, None), (3, None), (8, None), (3, 20), (8, 20)])
+def test_prologue_equals_rope_store_then_attention(dtype, qk_norm, num_splits, window, device):
+    """With a sliding window the splits share only the window's keys, and one of them still
+    holds the new position and writes it."""
     batch, q, new_kv = _case(dtype, device, [1, 9, 30, 61], qk_norm)
     k_two, v_two = batch.k_pool.clone(), batch.v_pool.clone()
     q_two = q.clone()
@@ -80,10 +82,12 @@ def test_prologue_equals_rope_store_then_attention(dtype, qk_norm, num_splits, d
         q_two, new_kv.k, new_kv.v, new_kv.positions, new_kv.cos_sin, k_two, v_two, new_kv.out_loc, *norms
     )
     args = (batch.page_table, batch.table_idx, batch.seq_lens, HEAD_DIM**-0.5)
-    expected = decode_attention(q_two, k_two, v_two, *args, num_splits=num_splits)
+    expected = decode_attention(q_two, k_two, v_two, *args, num_splits=num_splits, window=window)
 
     q_before = q.clone()
-    out = decode_attention(q, batch.k_pool, batch.v_pool, *args, num_splits=num_splits, new_kv=new_kv)
+    out = decode_attention(
+        q, batch.k_pool, batch.v_pool, *args, num_splits=num_splits, new_kv=new_kv, window=window
+    )
     same = _same_rounding(dtype, q.device)
     torch.testing.assert_close(out, expected, **same)
     torch.testing.assert_close(batch.k_pool, k_two, **same)  # the new k, rotated, in its slot

@@ -16,8 +16,9 @@ from minfer.attention.base import ForwardContext, build_metadata
 from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.attention.triton_backend import TritonAttentionBackend
 from minfer.kernels import attention_extend
-from minfer.kernels.attention_decode import decode_attention, decode_attention_reference
-from minfer.kernels.attention_extend import extend_attention, extend_attention_reference
+from minfer.kernels.attention_decode import decode_attention
+from minfer.kernels.attention_extend import extend_attention
+from minfer.kernels.attention_reference import decode_attention_reference, extend_attention_reference
 from minfer.kernels.rope_store import rope_store
 from minfer.kvcache.pool import KVPool, quantize_fp8
 from minfer.layers.rotary import RotaryEmbedding

@@ -12,7 +12,8 @@ from kernel_cases import make_paged_batch, tolerance
 from minfer.attention.base import ForwardContext
 from minfer.attention.triton_backend import TritonAttentionBackend
 from minfer.engine.prefill_graph import metadata_views, pass_metadata, prefill_buckets
-from minfer.kernels.attention_extend import LONG_EXTEND, extend_attention_reference, launch_config
+from minfer.kernels.attention_extend import LONG_EXTEND, launch_config
+from minfer.kernels.attention_reference import extend_attention_reference
 from minfer.kvcache.pool import KVPool
 
 
