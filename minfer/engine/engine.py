@@ -25,6 +25,7 @@ from minfer.engine.sampler import SamplingTensorCache
 from minfer.kvcache.host_pool import HostKVPool, host_available_bytes
 from minfer.kvcache.page_table import PageTable, runs_of_positions
 from minfer.kvcache.pool import KVPool
+from minfer.layers.rotary import context_length
 from minfer.models.llama import head_dim_of
 from minfer.models.loader import (
     build_model,
@@ -160,10 +161,8 @@ class Engine:
         self.source = model_source(config)
         self.hf_config = load_hf_config(self.source)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
-        self.max_model_len = min(
-            config.max_model_len or self.hf_config.max_position_embeddings,
-            self.hf_config.max_position_embeddings,
-        )
+        positions = context_length(self.hf_config)  # max_position_embeddings, longer with YaRN
+        self.max_model_len = min(config.max_model_len or positions, positions)
         self.vocab_size = self.hf_config.vocab_size
 
         memory_before = _device_memory_in_use(self.device)

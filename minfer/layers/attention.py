@@ -19,6 +19,7 @@ from torch import nn
 from minfer.attention.base import ForwardContext
 from minfer.kernels.new_kv import NewKV
 from minfer.kernels.rope_store import store_new_kv
+from minfer.layers.rotary import context_length
 
 
 def sliding_window_of(hf_config, layer_id: int) -> int | None:
@@ -28,7 +29,7 @@ def sliding_window_of(hf_config, layer_id: int) -> int | None:
     "sliding_attention" (Qwen2, Qwen3: set only with use_sliding_window), or on every layer of a
     config without layer_types (Mistral, Mixtral). A window as long as the context never binds."""
     window = getattr(hf_config, "sliding_window", None)
-    if not window or window >= hf_config.max_position_embeddings:
+    if not window or window >= context_length(hf_config):
         return None
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is not None and layer_types[layer_id] != "sliding_attention":

@@ -21,7 +21,7 @@ from minfer.layers.attention import PagedAttention, sliding_window_of
 from minfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minfer.layers.norm import RMSNorm
-from minfer.layers.rotary import RotaryEmbedding, rope_parameters
+from minfer.layers.rotary import RotaryEmbedding, context_length, rope_parameters
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 STACKED = {
@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg, tp: TPGroup = SINGLE, max_positions: int | None = None):
         super().__init__()
         self.config = cfg
-        max_positions = max_positions or cfg.max_position_embeddings
+        max_positions = max_positions or context_length(cfg)
         qkv_bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
         self.model = LlamaModel(cfg, tp, max_positions, qkv_bias, self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
