@@ -19,7 +19,7 @@ from minfer.device import set_cpu_threads, set_gpu_host_threads, to_device
 from minfer.distributed.parallel import SINGLE, TPGroup
 from minfer.engine.graphs import capture_cuda_graphs
 from minfer.engine.logprobs import LogprobTensors, reduce_logprobs, rows_of
-from minfer.engine.memory import MemoryBudget, plan_memory
+from minfer.engine.memory import MemoryBudget, device_memory_in_use, plan_memory
 from minfer.engine.sample_step import sample_step
 from minfer.engine.sampler import SamplingTensorCache
 from minfer.kvcache.host_pool import HostKVPool, host_available_bytes
@@ -165,7 +165,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or positions, positions)
         self.vocab_size = self.hf_config.vocab_size
 
-        memory_before = _device_memory_in_use(self.device)
+        memory_before = device_memory_in_use(self.device)
         self.model = build_model(
             self.source,
             self.hf_config,
@@ -340,10 +340,3 @@ class Engine:
         logits = self.model.compute_logits(hidden.index_select(0, index[0]))
         k = max(batch.reqs[i].params.prompt_logprobs for i, _, _ in spans)
         return reduce_logprobs(logits, index[1], k)
-
-
-def _device_memory_in_use(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free

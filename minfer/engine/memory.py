@@ -15,6 +15,7 @@ printed beside it). On CPU the pool holds `--kv-cache-tokens` tokens.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import asdict, dataclass
 
 import torch
@@ -258,3 +259,15 @@ def profile_activation_peak(engine) -> int:
     del pool, ctx, hidden
     torch.cuda.empty_cache()
     return int(peak)
+
+
+def device_memory_in_use(device: torch.device) -> int:
+    """Bytes of the device in use before this engine loads (0 on a CPU). An engine dropped just
+    before (an `LLM` of an earlier job in this process) may still sit in a reference cycle that
+    only the collector frees, with its KV pool: collected first, it does not shrink this pool."""
+    if device.type != "cuda":
+        return 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
