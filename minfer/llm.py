@@ -49,8 +49,12 @@ class LLM:
             return self.intake.encode(prompt=prompt)
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.intake.encode(messages=messages)
+    def apply_chat_template(
+        self, messages: list[dict], chat_template_kwargs: dict | None = None
+    ) -> list[int]:
+        """Token ids of a conversation under the model's chat template; `chat_template_kwargs`
+        are extra template variables (Qwen3: {"enable_thinking": False})."""
+        return self.intake.encode(messages=messages, template_kwargs=chat_template_kwargs)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
@@ -73,12 +77,12 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate_ids(
-            [self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm
-        )
+        prompts = [self.apply_chat_template(c, chat_template_kwargs) for c in conversations]
+        return self.generate_ids(prompts, sampling_params, use_tqdm)
 
     def generate_ids(
         self,

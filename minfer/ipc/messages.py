@@ -44,6 +44,7 @@ class GenerateRequest(Message):
     prompt_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # chat: rendered with the model's chat template
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI's tools, passed to the chat template
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables
     add_special_tokens: bool = True  # for `prompt` only; chat prompts carry their own
     max_tokens_auto: bool = False  # max_tokens not given: fill the context (the scheduler knows it)
     echo: bool = False  # send the prompt's text with the first reply
@@ -60,6 +61,7 @@ class TokenizerCall(Message):
     kind: str  # "encode" | "decode" | "info"
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     token_ids: list[int] | None = None

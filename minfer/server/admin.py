@@ -139,6 +139,7 @@ async def tokenize(body: TokenizeRequestBody, state: ServerState = Depends(serve
         kind="encode",
         text=body.prompt,
         messages=messages,
+        chat_template_kwargs=body.chat_template_kwargs,
         add_special_tokens=body.add_special_tokens,
         add_generation_prompt=body.add_generation_prompt,
         return_token_strs=body.return_token_strs,

@@ -100,6 +100,7 @@ class Job:
     timeout: float | None = None
     prompt_param: str = "prompt"  # the body field that holds the prompts, for errors
     tools: list[dict] | None = None  # chat: tools for the chat template
+    chat_template_kwargs: dict | None = None  # chat: extra chat-template variables
 
 
 class ResponseShape(Protocol):
@@ -232,7 +233,9 @@ class Driver:
             "max_tokens_auto": job.max_tokens_auto,
         }
         if job.chat:
-            return m.GenerateRequest(**fields, messages=prompt, tools=job.tools)
+            return m.GenerateRequest(
+                **fields, messages=prompt, tools=job.tools, chat_template_kwargs=job.chat_template_kwargs
+            )
         if isinstance(prompt, str):
             return m.GenerateRequest(**fields, prompt=prompt, echo=job.echo)
         return m.GenerateRequest(**fields, prompt_ids=prompt, echo=job.echo)

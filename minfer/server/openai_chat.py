@@ -136,6 +136,7 @@ async def chat_completions(
         timeout=body.timeout,
         prompt_param="messages",
         tools=tools,
+        chat_template_kwargs=body.chat_template_kwargs,
     )
     shape = ChatShape(body, rid, state.model_name, plan)
     return await Driver(state, request, job).respond(shape, body.stream)

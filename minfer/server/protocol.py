@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from minfer.core import InvalidRequestError, SamplingParams, StructuredOutput
 from minfer.server.errors import APIError
 from minfer.server.tool_parsers import template_arguments
+from minfer.tokenizer.intake import check_template_kwargs
 
 __all__ = ["APIError"]  # re-exported: the client of the workers raises it
 
@@ -302,6 +303,9 @@ class ChatCompletionRequest(OpenAISamplingFields):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's and SGLang's extension: extra variables for the chat template, e.g. Qwen3's
+    # {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -312,6 +316,10 @@ class ChatCompletionRequest(OpenAISamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def check_supported(self) -> None:
+        try:
+            check_template_kwargs(self.chat_template_kwargs)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), e.param) from e
         for i, msg in enumerate(self.messages):
             if msg.tool_calls and msg.role != "assistant":
                 raise APIError(
@@ -330,6 +338,7 @@ class TokenizeRequestBody(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as on /v1/chat/completions
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

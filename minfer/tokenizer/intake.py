@@ -21,27 +21,57 @@ def load_model_tokenizer(config: EngineConfig):
     return load_tokenizer(model_source(config))
 
 
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (they would clash
+# with the ones minfer passes, or change what the call returns).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
+def check_template_kwargs(template_kwargs: dict | None) -> None:
+    """chat_template_kwargs: extra variables for the chat template (Qwen3's `enable_thinking`)."""
+    clash = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
+    if clash:
+        raise InvalidRequestError(
+            f"chat_template_kwargs may not set {', '.join(clash)}: minfer passes them itself",
+            "chat_template_kwargs",
+        )
+
+
 def render_chat_text(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> str:
-    """A conversation as text under the model's chat template (with the tools it may call)."""
+    """A conversation as text under the model's chat template (with the tools it may call, and
+    the request's extra template variables)."""
+    check_template_kwargs(template_kwargs)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "this model has no chat template: send a plain prompt (/v1/completions)", "messages"
         )
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(template_kwargs or {}),
         )
     except Exception as e:  # jinja raises for conversations the template refuses (roles order, ...)
         raise InvalidRequestError(f"the chat template rejected the messages: {e}", "messages") from e
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def render_chat(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None
+) -> list[int]:
     """Token ids of a conversation under the model's chat template."""
-    return tokenizer.encode(
-        render_chat_text(tokenizer, messages, add_generation_prompt), add_special_tokens=False
-    )
+    text = render_chat_text(tokenizer, messages, add_generation_prompt, template_kwargs=template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -65,11 +95,14 @@ class PromptEncoder:
         messages: list[dict] | None = None,
         add_special_tokens: bool = True,
         tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
-        """Exactly one of `prompt` (text), `prompt_ids` or `messages` (chat, with `tools`) is given."""
+        """Exactly one of `prompt` (text), `prompt_ids` or `messages` (chat, with `tools` and
+        extra chat-template variables) is given."""
         if messages is not None:
-            self.meter.check_bytes(text_bytes(messages) + text_bytes(tools or []), "messages")
-            text = render_chat_text(self.tokenizer, messages, tools=tools)
+            size = text_bytes(messages) + text_bytes(tools or []) + text_bytes(template_kwargs or {})
+            self.meter.check_bytes(size, "messages")
+            text = render_chat_text(self.tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
             return self.meter.encode(text, add_special_tokens=False, param="messages")
         if prompt is not None:
             if self.tokenizer is None:

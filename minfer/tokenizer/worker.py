@@ -103,7 +103,12 @@ class TokenizerWorker:
 
     def prompt_ids(self, req: m.GenerateRequest) -> list[int]:
         return self.encoder.encode(
-            req.prompt, req.prompt_ids, req.messages, req.add_special_tokens, req.tools
+            req.prompt,
+            req.prompt_ids,
+            req.messages,
+            req.add_special_tokens,
+            req.tools,
+            req.chat_template_kwargs,
         )
 
     def token_text(self, token_ids: list[int]) -> str:
@@ -117,7 +122,9 @@ class TokenizerWorker:
                 result.info = tokenizer_info(self.tokenizer)
             elif call.kind == "encode":
                 if call.messages is not None:
-                    result.token_ids = render_chat(self.tokenizer, call.messages, call.add_generation_prompt)
+                    result.token_ids = render_chat(
+                        self.tokenizer, call.messages, call.add_generation_prompt, call.chat_template_kwargs
+                    )
                 else:
                     result.token_ids = encode_text(self.tokenizer, call.text or "", call.add_special_tokens)
                 if call.return_token_strs:

