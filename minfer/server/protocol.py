@@ -31,6 +31,8 @@ MAX_STOP_CHARS = 1024
 MAX_LISTED_TOKEN_IDS = 1024  # stop_token_ids, logit_bias entries
 MAX_TIMEOUT_S = 24 * 3600.0
 MAX_TOOLS = 128  # OpenAI's own limit on `tools`
+MAX_GRAMMAR_CHARS = 100_000  # a regex or grammar of an output constraint
+MAX_CHOICE_STRINGS = 1024  # guided_choice entries
 
 # Integers cross to the workers as msgpack int64: a larger one is a 400 here, not a 500 there.
 Int = Annotated[int, Field(ge=-(2**63), lt=2**63)]
@@ -122,6 +124,36 @@ class ResponseFormat(Body):
         return None
 
 
+class StructuredOutputsSpec(Body):
+    """vLLM's `structured_outputs` (its newer spelling of the guided_* fields): one of these."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    json_spec: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | dict | None = Field(None, alias="json")
+    regex: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICE_STRINGS)] | None = None
+    grammar: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
+    json_object: bool | None = None
+
+
+def _json_schema_text(schema: str | dict, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise APIError(400, f"{param} is not JSON: {e}", param) from None
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{param} must be a JSON schema object", param)
+    return json.dumps(schema)
+
+
+def choice_grammar(choices: list[str], param: str) -> str:
+    """An EBNF grammar whose sentences are exactly `choices` (vLLM's guided_choice)."""
+    if any(not c for c in choices):
+        raise APIError(400, f"{param} holds an empty string", param)
+    # JSON's string escapes are also the grammar's (quote, backslash, control characters)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
 class OpenAISamplingFields(Body):
     """Fields the completions and chat endpoints share."""
 
@@ -143,11 +175,57 @@ class OpenAISamplingFields(Body):
     repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = None
+    # Other engines' structured output fields, each of which would be silently ignored otherwise:
+    # vLLM's guided_* and structured_outputs, SGLang's regex and ebnf.
+    guided_json: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | dict | None = None
+    guided_regex: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICE_STRINGS)] | None = None
+    guided_grammar: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
+    structured_outputs: StructuredOutputsSpec | None = None
+    regex: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
+    ebnf: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
     user: str | None = None
     timeout: Timeout | None = None  # seconds; then the request is aborted (finish_reason "abort")
 
     def max_new_tokens(self) -> int | None:
         return None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one output constraint the body asks for, in whichever engine's spelling; two are
+        a 400 naming the second."""
+        so = self.structured_outputs or StructuredOutputsSpec()
+        given: list[tuple[str, StructuredOutput | None]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append(("response_format", self.response_format.structured_output()))
+        if so.json_object:
+            given.append(("structured_outputs.json_object", StructuredOutput("json")))
+        for param, schema in (("guided_json", self.guided_json), ("structured_outputs.json", so.json_spec)):
+            if schema is not None:
+                given.append((param, StructuredOutput("json_schema", _json_schema_text(schema, param))))
+        for param, pattern in (
+            ("guided_regex", self.guided_regex),
+            ("structured_outputs.regex", so.regex),
+            ("regex", self.regex),
+        ):
+            if pattern is not None:
+                given.append((param, StructuredOutput("regex", pattern)))
+        for param, choices in (
+            ("guided_choice", self.guided_choice),
+            ("structured_outputs.choice", so.choice),
+        ):
+            if choices is not None:
+                given.append((param, StructuredOutput("ebnf", choice_grammar(choices, param))))
+        for param, grammar in (
+            ("guided_grammar", self.guided_grammar),
+            ("structured_outputs.grammar", so.grammar),
+            ("ebnf", self.ebnf),
+        ):
+            if grammar is not None:
+                given.append((param, StructuredOutput("ebnf", grammar)))
+        if len(given) > 1:
+            names = ", ".join(p for p, _ in given)
+            raise APIError(400, f"give at most one output constraint, not {names}", given[1][0])
+        return given[0][1] if given else None
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(logprobs, prompt_logprobs) of SamplingParams: top-k of each, None for none."""
@@ -173,7 +251,7 @@ class OpenAISamplingFields(Body):
                 "logit_bias": self.logit_bias,
                 "logprobs": logprobs,
                 "prompt_logprobs": prompt_logprobs,
-                "structured_output": self.response_format and self.response_format.structured_output(),
+                "structured_output": self.structured_output(),
             }
         )
 

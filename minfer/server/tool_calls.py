@@ -149,9 +149,11 @@ def tool_plan(body: ChatCompletionRequest, parser_name: str, chat_template) -> T
         mode, forced_name = "named", choice.function.name
         if forced_name not in names:
             raise APIError(400, f"tool_choice names {forced_name!r}, which is not in tools", "tool_choice")
-    if mode in ("named", "required") and body.response_format and body.response_format.type != "text":
+    if mode in ("named", "required") and body.structured_output() is not None:
+        # the forced tool call is itself an output constraint (tool_plan's structured_output)
+        param = "response_format" if body.response_format is not None else "tool_choice"
         raise APIError(
-            400, f"response_format cannot be combined with tool_choice {mode!r}", "response_format"
+            400, f"{param} cannot be combined with tool_choice {mode!r}: both constrain the output", param
         )
     parser = parser_for(parser_name, chat_template)
     if parser is None and mode != "none":

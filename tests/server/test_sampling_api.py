@@ -289,6 +289,67 @@ def test_json_object_regex_and_invalid_grammars(server):
     assert server.info()["requests"]["running"] == 0
 
 
+def test_other_engines_structured_output_fields(server):
+    """vLLM's guided_json / guided_regex / guided_choice / guided_grammar and structured_outputs,
+    and SGLang's regex / ebnf, on both OpenAI endpoints: each constrains the output (they used to
+    be ignored silently); two constraints at once are a 400 naming the second."""
+    import json
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    choices = ['yes "sure"', "no\\way", "maybe"]
+    chat = {
+        "messages": [{"role": "user", "content": "Answer"}],
+        "max_tokens": 30,
+        "temperature": 1.0,
+        "seed": 3,
+    }
+    cases = [
+        ({"guided_json": schema}, lambda t: jsonschema.validate(json.loads(t), schema)),
+        ({"guided_json": json.dumps(schema)}, lambda t: jsonschema.validate(json.loads(t), schema)),
+        ({"structured_outputs": {"json": schema}}, lambda t: jsonschema.validate(json.loads(t), schema)),
+        ({"guided_regex": "(yes|no)-[0-9]{3}"}, lambda t: re.fullmatch("(yes|no)-[0-9]{3}", t) or 1 / 0),
+        ({"regex": "[a-c]{4}"}, lambda t: re.fullmatch("[a-c]{4}", t) or 1 / 0),
+        ({"guided_choice": choices}, lambda t: choices.index(t)),
+        ({"structured_outputs": {"choice": choices}}, lambda t: choices.index(t)),
+        ({"guided_grammar": 'root ::= "A" ("B" | "C")'}, lambda t: ["AB", "AC"].index(t)),
+        ({"ebnf": 'root ::= "x" "y"?'}, lambda t: ["x", "xy"].index(t)),
+    ]
+    for fields, check in cases:
+        for path, body, text_of in (
+            ("/v1/chat/completions", chat, lambda r: r["choices"][0]["message"]["content"]),
+            (
+                "/v1/completions",
+                {"prompt": "Answer:", "max_tokens": 30, "seed": 3},
+                lambda r: r["choices"][0]["text"],
+            ),
+        ):
+            resp = server.post(path, {**body, **fields})
+            assert resp.status_code == 200, (fields, resp.text)
+            assert resp.json()["choices"][0]["finish_reason"] == "stop", (fields, resp.text)
+            check(text_of(resp.json()))
+    # any JSON (no schema) may run past max_tokens with a random model: accepted is the check
+    anything = server.post("/v1/chat/completions", {**chat, "structured_outputs": {"json_object": True}})
+    assert anything.status_code == 200, anything.text
+    bad = [
+        ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "regex": "a"}, "regex"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": "[1]"}, "guided_json"),
+        ({"guided_choice": ["a", ""]}, "guided_choice"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "("}, None),
+    ]
+    for fields, param in bad:
+        resp = server.post("/v1/chat/completions", {**chat, **fields})
+        assert resp.status_code == 400, (fields, resp.text)
+        if param is not None:
+            assert param in resp.json()["error"]["param"], resp.text
+    assert server.info()["requests"]["running"] == 0
+
+
 MC_TASK = """task: minfer_mc
 dataset_path: json
 dataset_kwargs:
