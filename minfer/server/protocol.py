@@ -154,8 +154,32 @@ def choice_grammar(choices: list[str], param: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# Other engines' request fields that minfer does not implement. A body may carry one at the value
+# that means what minfer does anyway (vLLM clients send some by default); any other value is a
+# 400 naming it, where ignoring it would silently answer another question. Fields of no one's
+# behaviour (OpenAI's store, metadata, service_tier, ...) are ignored.
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "best_of": lambda v: v in (None, 1),
+    "use_beam_search": lambda v: not v,
+    "length_penalty": lambda v: v in (None, 1, 1.0),
+    "include_stop_str_in_output": lambda v: not v,
+    "skip_special_tokens": lambda v: v in (None, True),
+    "spaces_between_special_tokens": lambda v: v in (None, True),
+    "allowed_token_ids": lambda v: not v,
+    "bad_words": lambda v: not v,
+    "logits_processors": lambda v: not v,
+    "truncate_prompt_tokens": lambda v: v is None,
+    "prompt_logprobs": lambda v: v is None,
+    "functions": lambda v: not v,  # OpenAI's deprecated form of tools
+    "function_call": lambda v: v in (None, "none"),
+}
+
+
 class OpenAISamplingFields(Body):
     """Fields the completions and chat endpoints share."""
+
+    # unknown fields are kept (not dropped) so that UNSUPPORTED_FIELDS can be checked
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     temperature: float | None = None
@@ -231,7 +255,14 @@ class OpenAISamplingFields(Body):
         """(logprobs, prompt_logprobs) of SamplingParams: top-k of each, None for none."""
         return None, None
 
+    def check_unsupported_fields(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            accepts = UNSUPPORTED_FIELDS.get(name)
+            if accepts is not None and not accepts(value):
+                raise APIError(400, f"{name}={str(value)[:80]} is not supported by minfer", name)
+
     def sampling_params(self) -> tuple[SamplingParams, bool]:
+        self.check_unsupported_fields()
         logprobs, prompt_logprobs = self.logprob_counts()
         return to_sampling_params(
             {

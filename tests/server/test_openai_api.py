@@ -474,6 +474,36 @@ BAD_REQUESTS = [
         400,
         "response_format",
     ),
+    ("best_of above n", COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("beam search", CHAT, {"messages": HELLO, "use_beam_search": True}, 400, "use_beam_search"),
+    (
+        "stop string kept in the output",
+        COMPLETIONS,
+        {"prompt": "x", "stop": ["a"], "include_stop_str_in_output": True},
+        400,
+        "include_stop_str_in_output",
+    ),
+    (
+        "special tokens kept",
+        CHAT,
+        {"messages": HELLO, "skip_special_tokens": False},
+        400,
+        "skip_special_tokens",
+    ),
+    (
+        "allowed_token_ids",
+        COMPLETIONS,
+        {"prompt": "x", "allowed_token_ids": [1, 2]},
+        400,
+        "allowed_token_ids",
+    ),
+    (
+        "functions (deprecated tools)",
+        CHAT,
+        {"messages": HELLO, "functions": [{"name": "f"}]},
+        400,
+        "functions",
+    ),
     ("generate without prompt", "/generate", {"sampling_params": {}}, 400, "text"),
     (
         "generate bad temperature",
@@ -508,6 +538,16 @@ def check_error(resp: httpx.Response, status: int, param: str | None) -> dict:
 @pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_input(server, name, path, body, status, param):
     check_error(server.post(path, body), status, param)
+
+
+def test_other_engines_defaults_and_openai_metadata_are_accepted(server):
+    """Fields minfer does not implement, sent at the value that means what it does anyway (as
+    vLLM's clients send them), and OpenAI's fields of no one's behaviour, are not errors."""
+    defaults = {"best_of": 1, "use_beam_search": False, "skip_special_tokens": True, "length_penalty": 1.0}
+    metadata = {"store": False, "metadata": {"k": "v"}, "service_tier": "auto", "user": "u"}
+    for path, body in ((COMPLETIONS, {"prompt": "x"}), (CHAT, {"messages": HELLO})):
+        resp = server.post(path, {**body, "max_tokens": 2, **defaults, **metadata})
+        assert resp.status_code == 200, resp.text
 
 
 def test_context_overflow(server):
