@@ -50,11 +50,22 @@ class LLM:
         return list(prompt)
 
     def apply_chat_template(
-        self, messages: list[dict], chat_template_kwargs: dict | None = None
+        self,
+        messages: list[dict],
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of a conversation under the model's chat template; `chat_template_kwargs`
-        are extra template variables (Qwen3: {"enable_thinking": False})."""
-        return self.intake.encode(messages=messages, template_kwargs=chat_template_kwargs)
+        are extra template variables (Qwen3: {"enable_thinking": False}); with
+        `continue_final_message` (and add_generation_prompt False) the model goes on with the
+        last, assistant, message."""
+        return self.intake.encode(
+            messages=messages,
+            template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
@@ -78,10 +89,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, chat_template_kwargs) for c in conversations]
+        prompts = [
+            self.apply_chat_template(c, chat_template_kwargs, add_generation_prompt, continue_final_message)
+            for c in conversations
+        ]
         return self.generate_ids(prompts, sampling_params, use_tqdm)
 
     def generate_ids(

@@ -45,6 +45,8 @@ class GenerateRequest(Message):
     messages: list[dict[str, Any]] | None = None  # chat: rendered with the model's chat template
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI's tools, passed to the chat template
     chat_template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables
+    add_generation_prompt: bool = True  # chat: open the assistant's turn
+    continue_final_message: bool = False  # chat: or leave the last (assistant) message open
     add_special_tokens: bool = True  # for `prompt` only; chat prompts carry their own
     max_tokens_auto: bool = False  # max_tokens not given: fill the context (the scheduler knows it)
     echo: bool = False  # send the prompt's text with the first reply

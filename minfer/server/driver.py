@@ -101,6 +101,8 @@ class Job:
     prompt_param: str = "prompt"  # the body field that holds the prompts, for errors
     tools: list[dict] | None = None  # chat: tools for the chat template
     chat_template_kwargs: dict | None = None  # chat: extra chat-template variables
+    add_generation_prompt: bool = True  # chat: open the assistant's turn ...
+    continue_final_message: bool = False  # ... or leave the last assistant message open
 
 
 class ResponseShape(Protocol):
@@ -234,7 +236,12 @@ class Driver:
         }
         if job.chat:
             return m.GenerateRequest(
-                **fields, messages=prompt, tools=job.tools, chat_template_kwargs=job.chat_template_kwargs
+                **fields,
+                messages=prompt,
+                tools=job.tools,
+                chat_template_kwargs=job.chat_template_kwargs,
+                add_generation_prompt=job.add_generation_prompt,
+                continue_final_message=job.continue_final_message,
             )
         if isinstance(prompt, str):
             return m.GenerateRequest(**fields, prompt=prompt, echo=job.echo)

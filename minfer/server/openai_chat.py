@@ -180,6 +180,8 @@ async def chat_completions(
         prompt_param="messages",
         tools=tools,
         chat_template_kwargs=body.chat_template_kwargs,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
     )
     parser = state.server_config.reasoning_parser
     shape = ChatShape(body, rid, state.model_name, plan, None if parser == "none" else parser)

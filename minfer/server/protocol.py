@@ -415,6 +415,10 @@ class ChatCompletionRequest(OpenAISamplingFields):
     # vLLM's and SGLang's extension: extra variables for the chat template, e.g. Qwen3's
     # {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: end the prompt without opening the assistant's turn, or continue the last
+    # (assistant) message as given (a prefilled answer)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -429,6 +433,14 @@ class ChatCompletionRequest(OpenAISamplingFields):
             check_template_kwargs(self.chat_template_kwargs)
         except InvalidRequestError as e:
             raise APIError(400, str(e), e.param) from e
+        if self.continue_final_message and (
+            self.add_generation_prompt or self.messages[-1].role != "assistant"
+        ):
+            raise APIError(
+                400,
+                "continue_final_message needs add_generation_prompt false and an assistant message last",
+                "continue_final_message",
+            )
         for i, msg in enumerate(self.messages):
             if msg.tool_calls and msg.role != "assistant":
                 raise APIError(

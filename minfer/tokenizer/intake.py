@@ -46,10 +46,17 @@ def render_chat_text(
     add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
     template_kwargs: dict | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """A conversation as text under the model's chat template (with the tools it may call, and
-    the request's extra template variables)."""
+    the request's extra template variables). `continue_final_message`: the last (assistant)
+    message is left open, for the model to go on writing it (vLLM's option)."""
     check_template_kwargs(template_kwargs)
+    if continue_final_message and (add_generation_prompt or messages[-1].get("role") != "assistant"):
+        raise InvalidRequestError(
+            "continue_final_message needs add_generation_prompt false and an assistant message last",
+            "continue_final_message",
+        )
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "this model has no chat template: send a plain prompt (/v1/completions)", "messages"
@@ -59,6 +66,7 @@ def render_chat_text(
             messages,
             tools=tools or None,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tokenize=False,
             **(template_kwargs or {}),
         )
@@ -96,13 +104,22 @@ class PromptEncoder:
         add_special_tokens: bool = True,
         tools: list[dict] | None = None,
         template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Exactly one of `prompt` (text), `prompt_ids` or `messages` (chat, with `tools` and
         extra chat-template variables) is given."""
         if messages is not None:
             size = text_bytes(messages) + text_bytes(tools or []) + text_bytes(template_kwargs or {})
             self.meter.check_bytes(size, "messages")
-            text = render_chat_text(self.tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
+            text = render_chat_text(
+                self.tokenizer,
+                messages,
+                add_generation_prompt,
+                tools,
+                template_kwargs,
+                continue_final_message,
+            )
             return self.meter.encode(text, add_special_tokens=False, param="messages")
         if prompt is not None:
             if self.tokenizer is None:

@@ -109,6 +109,8 @@ class TokenizerWorker:
             req.add_special_tokens,
             req.tools,
             req.chat_template_kwargs,
+            req.add_generation_prompt,
+            req.continue_final_message,
         )
 
     def token_text(self, token_ids: list[int]) -> str:

