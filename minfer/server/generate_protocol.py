@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from minfer.core import SamplingParams, StructuredOutput
 from minfer.server.errors import APIError
@@ -29,8 +30,22 @@ SGLANG_NAMES = {
 }
 
 
+# SGLang's sampling parameters minfer does not implement: accepted at the value that means what
+# minfer does, a 400 otherwise (see protocol.UNSUPPORTED_FIELDS).
+UNSUPPORTED_SAMPLING_PARAMS: dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: v in (None, 1),
+    "no_stop_trim": lambda v: not v,
+    "skip_special_tokens": lambda v: v in (None, True),
+    "spaces_between_special_tokens": lambda v: v in (None, True),
+    "stop_regex": lambda v: not v,
+    "custom_params": lambda v: not v,
+}
+
+
 class GenerateSamplingParams(Body):
     """SGLang's `sampling_params`."""
+
+    model_config = ConfigDict(extra="allow")  # kept, so UNSUPPORTED_SAMPLING_PARAMS can be checked
 
     max_new_tokens: Int | None = 128
     min_new_tokens: Int = 0
@@ -50,6 +65,13 @@ class GenerateSamplingParams(Body):
     json_schema: str | None = None  # a JSON schema as a string
     regex: str | None = None
     ebnf: str | None = None
+
+    def check_unsupported_fields(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            accepts = UNSUPPORTED_SAMPLING_PARAMS.get(name)
+            if accepts is not None and not accepts(value):
+                param = f"sampling_params.{name}"
+                raise APIError(400, f"{param}={str(value)[:80]} is not supported by minfer", param)
 
     def structured_output(self) -> StructuredOutput | None:
         given = [
@@ -80,6 +102,7 @@ class GenerateRequestBody(Body):
 
     def params(self) -> tuple[SamplingParams, bool]:
         sp = self.sampling_params
+        sp.check_unsupported_fields()
         logprobs = self.top_logprobs_num if self.return_logprob else None
         prompt_logprobs = logprobs if self.return_logprob and self.logprob_start_len >= 0 else None
         return to_sampling_params(

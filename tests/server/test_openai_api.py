@@ -504,6 +504,14 @@ BAD_REQUESTS = [
         400,
         "functions",
     ),
+    (
+        "generate keeping the stop string",
+        "/generate",
+        {"text": "x", "sampling_params": {"stop": ["a"], "no_stop_trim": True}},
+        400,
+        "sampling_params.no_stop_trim",
+    ),
+    ("generate n > 1", "/generate", {"text": "x", "sampling_params": {"n": 2}}, 400, "sampling_params.n"),
     ("generate without prompt", "/generate", {"sampling_params": {}}, 400, "text"),
     (
         "generate bad temperature",
@@ -548,6 +556,9 @@ def test_other_engines_defaults_and_openai_metadata_are_accepted(server):
     for path, body in ((COMPLETIONS, {"prompt": "x"}), (CHAT, {"messages": HELLO})):
         resp = server.post(path, {**body, "max_tokens": 2, **defaults, **metadata})
         assert resp.status_code == 200, resp.text
+    sglang = {"max_new_tokens": 2, "n": 1, "skip_special_tokens": True, "no_stop_trim": False}
+    resp = server.post("/generate", {"text": "x", "sampling_params": sglang})
+    assert resp.status_code == 200, resp.text
 
 
 def test_context_overflow(server):
