@@ -72,6 +72,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     stop: list[str] = msgspec.field(default_factory=list)  # matched on text by the detokenizer
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
     ignore_eos: bool = False
     seed: int | None = None
     # Penalties (OpenAI's and vLLM's definitions, see sampler.apply_penalties) and additive biases.

@@ -131,7 +131,9 @@ class LLM:
         # Stop strings are found in the text, as the server's tokenizer worker does: the request
         # ends (its KV freed at once) with the token that completes one, and the text stops before it.
         stop_texts = {
-            r.uid: IncrementalDetokenizer(self.tokenizer, r.params.stop)
+            r.uid: IncrementalDetokenizer(
+                self.tokenizer, r.params.stop, keep_stop=r.params.include_stop_str_in_output
+            )
             for r in reqs
             if r.params.stop and self.tokenizer is not None
         }

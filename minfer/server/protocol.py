@@ -162,7 +162,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v in (None, 1),
     "use_beam_search": lambda v: not v,
     "length_penalty": lambda v: v in (None, 1, 1.0),
-    "include_stop_str_in_output": lambda v: not v,
     "skip_special_tokens": lambda v: v in (None, True),
     "spaces_between_special_tokens": lambda v: v in (None, True),
     "allowed_token_ids": lambda v: not v,
@@ -190,6 +189,7 @@ class OpenAISamplingFields(Body):
     stop: Stop | None = None
     stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's extension
     min_tokens: Int = 0
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
@@ -273,6 +273,7 @@ class OpenAISamplingFields(Body):
                 "max_tokens": self.max_new_tokens(),
                 "min_tokens": self.min_tokens,
                 "stop": stop_list(self.stop),
+                "include_stop_str_in_output": self.include_stop_str_in_output,
                 "stop_token_ids": self.stop_token_ids,
                 "ignore_eos": self.ignore_eos,
                 "seed": self.seed,

@@ -49,9 +49,16 @@ class IncrementalDetokenizer:
     `tokenizer` is a transformers tokenizer, or None for models without one (then text is empty).
     """
 
-    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+        keep_stop: bool = False,
+    ):
         self.stream, self.backend = make_stream(tokenizer, skip_special_tokens) if tokenizer else (None, None)
         self.stop = [s for s in (stop or []) if s]
+        self.keep_stop = keep_stop  # the matched stop string stays at the end of the text
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""  # everything decoded so far (cut at the stop string once one matched)
         self.sent = 0  # characters of `text` handed out
@@ -60,7 +67,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Feed the next token; return the text that became final (often '', never revised).
 
-        After a stop string matched, `matched_stop` names it and the text ends before it.
+        After a stop string matched, `matched_stop` names it and the text ends before it (or
+        with it, with keep_stop).
         """
         if self.stream is None or self.matched_stop is not None:
             return ""
@@ -76,6 +84,8 @@ class IncrementalDetokenizer:
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
             cut, self.matched_stop = min(hits)
+            if self.keep_stop:
+                cut += len(self.matched_stop)
             self.text = self.text[:cut]
             return self._hand_out(cut)
         return self._hand_out(len(self.text) - self._stop_prefix_len())

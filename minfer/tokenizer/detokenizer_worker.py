@@ -74,7 +74,7 @@ class DetokenizerWorker:
             self.detokenize(msg)
         elif isinstance(msg, m.StreamStart):
             self.requests[msg.uid] = _Detok(
-                IncrementalDetokenizer(self.tokenizer, msg.stop),
+                IncrementalDetokenizer(self.tokenizer, msg.stop, keep_stop=msg.keep_stop),
                 msg.prompt_tokens,
                 prompt_text=msg.prompt_text,
             )

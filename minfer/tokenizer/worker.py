@@ -89,7 +89,11 @@ class TokenizerWorker:
         if req.echo:
             prompt_text = req.prompt if req.prompt is not None else self.token_text(ids)
         stream = m.StreamStart(
-            uid=req.uid, prompt_tokens=len(ids), stop=req.params.stop, prompt_text=prompt_text
+            uid=req.uid,
+            prompt_tokens=len(ids),
+            stop=req.params.stop,
+            keep_stop=req.params.include_stop_str_in_output,
+            prompt_text=prompt_text,
         )
         self.send_scheduler(
             m.TokenizedRequest(

@@ -22,6 +22,8 @@ def test_stop_string_ends_the_request_and_cuts_the_text(llm):
     assert out.finish_reason == "stop"
     assert out.text == free.text[: free.text.index("five")]
     assert free.token_ids[: len(out.token_ids)] == out.token_ids and len(out.token_ids) < 24
+    kept = SamplingParams(temperature=0, max_tokens=24, stop=["five"], include_stop_str_in_output=True)
+    assert llm.generate([prompt], kept, use_tqdm=False)[0].text == out.text + "five"
     while llm.scheduler.has_work:  # a pass launched before the stop was seen (overlap mode)
         llm.scheduler.step()
     assert llm.scheduler.kv.used_pages == 0

@@ -79,6 +79,15 @@ def test_stop_string_across_tokens_and_earliest_wins(tokenizer):
     assert detok.matched_stop == "ta ga" and out == "alpha be"
 
 
+def test_kept_stop_string_ends_the_text(tokenizer):
+    """include_stop_str_in_output (keep_stop): the earliest match is kept, nothing after it."""
+    text = "alpha beta gamma delta"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=["gamma delta", "ta ga"], keep_stop=True)
+    out = "".join(detok.add(t) for t in ids) + detok.flush()
+    assert detok.matched_stop == "ta ga" and out == "alpha beta ga"
+
+
 def test_possible_stop_prefix_is_held_back_then_released(tokenizer):
     ids = tokenizer.encode("one two three", add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, stop=["two threes", "thr"])
