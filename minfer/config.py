@@ -188,13 +188,9 @@ class ServerConfig:
     max_request_bytes: int = _opt(
         4 * 2**20, "largest request body in bytes; a larger one is refused with 413 while it is read"
     )
-    max_batch_prompts: int = _opt(
-        128, "most engine requests one body may make (prompts in a list, times n); past it: 400"
-    )
+    max_batch_prompts: int = _opt(128, "most engine requests a body may make (prompts times n); else 400")
     log_requests: bool = _opt(
-        False,
-        "log one line per finished request: its id, prompt and completion tokens, finish reason, "
-        "time to first token and total time",
+        False, "log each finished request: id, prompt and completion tokens, finish reason, TTFT, total time"
     )
     metrics_prefix: str = _opt(
         "minfer",
@@ -203,9 +199,7 @@ class ServerConfig:
         ("minfer", "vllm"),
     )
     request_read_timeout: float = _opt(
-        30.0,
-        "seconds a client has to send a request's headers and body; a "
-        "connection still sending after that is closed",
+        30.0, "seconds a client has to send a request's headers and body; then the connection is closed"
     )
     tool_call_parser: str = _opt(
         "auto",
@@ -215,8 +209,7 @@ class ServerConfig:
     )
     reasoning_parser: str = _opt(
         "none",
-        "put a thinking model's text before </think> in the chat message's reasoning_content: qwen3 "
-        "(answers that open with <think>), deepseek_r1 (the template opens it); none: all is content",
+        "chat text before </think> to reasoning_content: qwen3 (answers opening with <think>), deepseek_r1",
         choices=("none", "qwen3", "deepseek_r1"),
     )
 

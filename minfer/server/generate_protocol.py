@@ -8,8 +8,7 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field
 
 from minfer.core import SamplingParams, StructuredOutput
-from minfer.server.errors import APIError
-from minfer.server.protocol import (
+from minfer.server.body import (
     Body,
     Int,
     LogitBias,
@@ -18,9 +17,10 @@ from minfer.server.protocol import (
     Text,
     Timeout,
     TokenIds,
-    stop_list,
-    to_sampling_params,
+    refuse_unsupported,
 )
+from minfer.server.errors import APIError
+from minfer.server.protocol import stop_list, to_sampling_params
 
 # SamplingParams' names that SGLang spells otherwise, for error messages.
 SGLANG_NAMES = {
@@ -31,7 +31,7 @@ SGLANG_NAMES = {
 
 
 # SGLang's sampling parameters minfer does not implement: accepted at the value that means what
-# minfer does, a 400 otherwise (see protocol.UNSUPPORTED_FIELDS).
+# minfer does, a 400 otherwise (see body.UNSUPPORTED_FIELDS).
 UNSUPPORTED_SAMPLING_PARAMS: dict[str, Callable[[Any], bool]] = {
     "n": lambda v: v in (None, 1),
     "skip_special_tokens": lambda v: v in (None, True),
@@ -66,13 +66,6 @@ class GenerateSamplingParams(Body):
     regex: str | None = None
     ebnf: str | None = None
 
-    def check_unsupported_fields(self) -> None:
-        for name, value in (self.model_extra or {}).items():
-            accepts = UNSUPPORTED_SAMPLING_PARAMS.get(name)
-            if accepts is not None and not accepts(value):
-                param = f"sampling_params.{name}"
-                raise APIError(400, f"{param}={str(value)[:80]} is not supported by minfer", param)
-
     def structured_output(self) -> StructuredOutput | None:
         given = [
             (kind, spec)
@@ -102,7 +95,7 @@ class GenerateRequestBody(Body):
 
     def params(self) -> tuple[SamplingParams, bool]:
         sp = self.sampling_params
-        sp.check_unsupported_fields()
+        refuse_unsupported(sp.model_extra, UNSUPPORTED_SAMPLING_PARAMS, "sampling_params.")
         logprobs = self.top_logprobs_num if self.return_logprob else None
         prompt_logprobs = logprobs if self.return_logprob and self.logprob_start_len >= 0 else None
         return to_sampling_params(

@@ -2,52 +2,41 @@
 
 OpenAI's shapes for /v1/completions and /v1/chat/completions, vLLM's for /tokenize and
 /detokenize (SGLang's /generate is in generate_protocol.py). Types are strict: `"10"` is not a
-number and `1.0` is not an integer. Every size a client controls is bounded here (list lengths,
-string lengths, integers that cross to the workers as msgpack int64), so no value can reach the
-workers and fail there. Fields minfer does not implement are refused with a 400 that says so,
-rather than silently ignored, when ignoring them would change the answer.
+number and `1.0` is not an integer. Every size a client controls is bounded (body.py's types),
+so no value can reach the workers and fail there. Fields minfer does not implement are refused
+with a 400 that says so, rather than silently ignored, when ignoring them would change the answer
+(body.py); output constraints in every engine's spelling are output_constraints.py's.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from minfer.core import InvalidRequestError, SamplingParams, StructuredOutput
+from minfer.core import InvalidRequestError, SamplingParams
+from minfer.server.body import (
+    MAX_CHOICES,
+    MAX_TOOLS,
+    UNSUPPORTED_FIELDS,
+    Body,
+    Int,
+    LogitBias,
+    Stop,
+    StopTokenIds,
+    Text,
+    Timeout,
+    TokenIds,
+    refuse_unsupported,
+)
 from minfer.server.errors import APIError
+from minfer.server.output_constraints import ConstraintFields
 from minfer.server.tool_parsers import template_arguments
 from minfer.tokenizer.intake import check_template_kwargs
 
 __all__ = ["APIError"]  # re-exported: the client of the workers raises it
-
-# More choices per prompt than this is a mistake, not a workload (each holds its own KV).
-MAX_CHOICES = 128
-MAX_STOP_STRINGS = 32
-MAX_STOP_CHARS = 1024
-MAX_LISTED_TOKEN_IDS = 1024  # stop_token_ids, logit_bias entries
-MAX_TIMEOUT_S = 24 * 3600.0
-MAX_TOOLS = 128  # OpenAI's own limit on `tools`
-MAX_GRAMMAR_CHARS = 100_000  # a regex or grammar of an output constraint
-MAX_CHOICE_STRINGS = 1024  # guided_choice entries
-
-# Integers cross to the workers as msgpack int64: a larger one is a 400 here, not a 500 there.
-Int = Annotated[int, Field(ge=-(2**63), lt=2**63)]
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-Text = Annotated[str, Field(min_length=1)]
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
-StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_LISTED_TOKEN_IDS)]
-LogitBias = Annotated[dict[str, float], Field(max_length=MAX_LISTED_TOKEN_IDS)]
-Timeout = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)]
-
-
-class Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -90,92 +79,8 @@ class StreamOptions(Body):
     continuous_usage_stats: bool = False  # vLLM's extension: usage in every chunk
 
 
-class JsonSchemaSpec(Body):
-    model_config = ConfigDict(populate_by_name=True)
-    name: str | None = None
-    description: str | None = None
-    json_schema: dict | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(Body):
-    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
-
-    type: str = Field(description="text, json_object or json_schema")
-    json_schema: JsonSchemaSpec | None = None
-
-    def structured_output(self) -> StructuredOutput | None:
-        if self.type not in ("text", "json_object", "json_schema"):
-            raise APIError(
-                400,
-                f"response_format type {self.type[:40]!r} is not one of text, json_object, json_schema",
-                "response_format",
-            )
-        if self.type == "json_object":
-            return StructuredOutput("json")
-        if self.type == "json_schema":
-            if self.json_schema is None or self.json_schema.json_schema is None:
-                raise APIError(
-                    400,
-                    "response_format.json_schema.schema must be a JSON schema object",
-                    "response_format.json_schema",
-                )
-            return StructuredOutput("json_schema", json.dumps(self.json_schema.json_schema))
-        return None
-
-
-class StructuredOutputsSpec(Body):
-    """vLLM's `structured_outputs` (its newer spelling of the guided_* fields): one of these."""
-
-    model_config = ConfigDict(populate_by_name=True)
-    json_spec: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | dict | None = Field(None, alias="json")
-    regex: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
-    choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICE_STRINGS)] | None = None
-    grammar: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
-    json_object: bool | None = None
-
-
-def _json_schema_text(schema: str | dict, param: str) -> str:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as e:
-            raise APIError(400, f"{param} is not JSON: {e}", param) from None
-    if not isinstance(schema, dict):
-        raise APIError(400, f"{param} must be a JSON schema object", param)
-    return json.dumps(schema)
-
-
-def choice_grammar(choices: list[str], param: str) -> str:
-    """An EBNF grammar whose sentences are exactly `choices` (vLLM's guided_choice)."""
-    if any(not c for c in choices):
-        raise APIError(400, f"{param} holds an empty string", param)
-    # JSON's string escapes are also the grammar's (quote, backslash, control characters)
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-# Other engines' request fields that minfer does not implement. A body may carry one at the value
-# that means what minfer does anyway (vLLM clients send some by default); any other value is a
-# 400 naming it, where ignoring it would silently answer another question. Fields of no one's
-# behaviour (OpenAI's store, metadata, service_tier, ...) are ignored.
-UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "best_of": lambda v: v in (None, 1),
-    "use_beam_search": lambda v: not v,
-    "length_penalty": lambda v: v in (None, 1, 1.0),
-    "skip_special_tokens": lambda v: v in (None, True),
-    "spaces_between_special_tokens": lambda v: v in (None, True),
-    "allowed_token_ids": lambda v: not v,
-    "bad_words": lambda v: not v,
-    "logits_processors": lambda v: not v,
-    "truncate_prompt_tokens": lambda v: v is None,
-    "prompt_logprobs": lambda v: v is None,
-    "functions": lambda v: not v,  # OpenAI's deprecated form of tools
-    "function_call": lambda v: v in (None, "none"),
-}
-
-
-class OpenAISamplingFields(Body):
-    """Fields the completions and chat endpoints share."""
+class OpenAISamplingFields(ConstraintFields):
+    """Fields the completions and chat endpoints share (the output constraints: ConstraintFields)."""
 
     # unknown fields are kept (not dropped) so that UNSUPPORTED_FIELDS can be checked
     model_config = ConfigDict(extra="allow")
@@ -198,71 +103,18 @@ class OpenAISamplingFields(Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: LogitBias | None = None
-    response_format: ResponseFormat | None = None
-    # Other engines' structured output fields, each of which would be silently ignored otherwise:
-    # vLLM's guided_* and structured_outputs, SGLang's regex and ebnf.
-    guided_json: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | dict | None = None
-    guided_regex: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
-    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICE_STRINGS)] | None = None
-    guided_grammar: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
-    structured_outputs: StructuredOutputsSpec | None = None
-    regex: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
-    ebnf: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
     user: str | None = None
     timeout: Timeout | None = None  # seconds; then the request is aborted (finish_reason "abort")
 
     def max_new_tokens(self) -> int | None:
         return None
 
-    def structured_output(self) -> StructuredOutput | None:
-        """The one output constraint the body asks for, in whichever engine's spelling; two are
-        a 400 naming the second."""
-        so = self.structured_outputs or StructuredOutputsSpec()
-        given: list[tuple[str, StructuredOutput | None]] = []
-        if self.response_format is not None and self.response_format.type != "text":
-            given.append(("response_format", self.response_format.structured_output()))
-        if so.json_object:
-            given.append(("structured_outputs.json_object", StructuredOutput("json")))
-        for param, schema in (("guided_json", self.guided_json), ("structured_outputs.json", so.json_spec)):
-            if schema is not None:
-                given.append((param, StructuredOutput("json_schema", _json_schema_text(schema, param))))
-        for param, pattern in (
-            ("guided_regex", self.guided_regex),
-            ("structured_outputs.regex", so.regex),
-            ("regex", self.regex),
-        ):
-            if pattern is not None:
-                given.append((param, StructuredOutput("regex", pattern)))
-        for param, choices in (
-            ("guided_choice", self.guided_choice),
-            ("structured_outputs.choice", so.choice),
-        ):
-            if choices is not None:
-                given.append((param, StructuredOutput("ebnf", choice_grammar(choices, param))))
-        for param, grammar in (
-            ("guided_grammar", self.guided_grammar),
-            ("structured_outputs.grammar", so.grammar),
-            ("ebnf", self.ebnf),
-        ):
-            if grammar is not None:
-                given.append((param, StructuredOutput("ebnf", grammar)))
-        if len(given) > 1:
-            names = ", ".join(p for p, _ in given)
-            raise APIError(400, f"give at most one output constraint, not {names}", given[1][0])
-        return given[0][1] if given else None
-
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(logprobs, prompt_logprobs) of SamplingParams: top-k of each, None for none."""
         return None, None
 
-    def check_unsupported_fields(self) -> None:
-        for name, value in (self.model_extra or {}).items():
-            accepts = UNSUPPORTED_FIELDS.get(name)
-            if accepts is not None and not accepts(value):
-                raise APIError(400, f"{name}={str(value)[:80]} is not supported by minfer", name)
-
     def sampling_params(self) -> tuple[SamplingParams, bool]:
-        self.check_unsupported_fields()
+        refuse_unsupported(self.model_extra, UNSUPPORTED_FIELDS)
         logprobs, prompt_logprobs = self.logprob_counts()
         return to_sampling_params(
             {

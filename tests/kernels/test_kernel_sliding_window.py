@@ -35,22 +35,33 @@ def _batch(prefix_lens, extend_lens, page_size, dtype, device, seed=0):
     return batch, q
 
 
-@pytest.mark.parametrize("window", [1, 7, 20, 64])
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (window, page size, dtype): windows of one key, shorter than, as long as and past the sequences
+DECODE_CASES = [
+    (1, 16, torch.float32),
+    (7, 1, torch.bfloat16),
+    (20, 16, torch.bfloat16),
+    (64, 1, torch.float32),
+]
+EXTEND_CASES = [
+    (1, 16, torch.bfloat16),
+    (7, 1, torch.float32),
+    (16, 16, torch.bfloat16),
+    (37, 1, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("window,page_size,dtype", DECODE_CASES)
 def test_decode_kernel_window(window, page_size, dtype, device):
     batch, q = _batch([s - 1 for s in DECODE_SEQ_LENS], [1] * len(DECODE_SEQ_LENS), page_size, dtype, device)
     args = (q, batch.k_pool, batch.v_pool, batch.page_table, batch.table_idx, batch.seq_lens, HEAD_DIM**-0.5)
     expected = decode_attention_reference(*args, window=window)
     assert not torch.allclose(expected, decode_attention_reference(*args), **tolerance(dtype))
-    for num_splits in (None, 1, 3, 8):  # more splits than the window has key blocks, too
+    for num_splits in (None, 3, 8):  # more splits than the window has key blocks, too
         out = decode_attention(*args, num_splits=num_splits, window=window)
         torch.testing.assert_close(out, expected, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("window", [1, 7, 16, 37])
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,page_size,dtype", EXTEND_CASES)
 def test_extend_kernel_window(window, page_size, dtype, device):
     batch, q = _batch(PREFIX_LENS, EXTEND_LENS, page_size, dtype, device, seed=1)
     scale = HEAD_DIM**-0.5

