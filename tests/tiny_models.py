@@ -94,6 +94,15 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def hf_token_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """transformers' log-probability of every token after the first, given the ones before it
+    (one forward pass, no cache): what an engine's prompt and answer logprobs must equal."""
+    ids = torch.tensor([token_ids])
+    with torch.no_grad():
+        logprobs = model(ids).logits[0, :-1].log_softmax(-1)
+    return logprobs.gather(1, ids[0, 1:, None])[:, 0]
+
+
 def save_tiny_chat_model(path, **overrides):
     """A tiny random Llama with the default model's tokenizer (and chat template), so that text
     goes through a real tokenizer while generation stays fast on a CPU."""

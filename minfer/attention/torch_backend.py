@@ -36,7 +36,6 @@ class DecodePlan:
         if window is not None:  # the new token at seq_len - 1 sees keys [seq_len - window, seq_len)
             visible &= positions.unsqueeze(0) >= (seq_lens - window).unsqueeze(1)
         self.meta = meta
-        self.window = window
         self.rows = rows  # [B, S_max] every position's slot, padding and keys before a window too
         self.slots = torch.where(visible, rows, rows[:, :1]).reshape(-1)
         self.mask = torch.zeros(visible.shape, dtype=torch.float32, device=rows.device)

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 from greedy_parity import assert_greedy_parity, near_tie_gap
-from tiny_models import hf_greedy, save_tiny_model
+from tiny_models import hf_greedy, hf_token_logprobs, save_tiny_model
 
 from minfer import LLM, SamplingParams
 
@@ -61,15 +61,9 @@ def test_sliding_window_matches_transformers(arch, tmp_path):
     )
     out = llm.generate([prompts[1]], scored, use_tqdm=False)[0]
     got = torch.tensor(out.prompt_logprobs.logprobs[1:] + out.logprobs.logprobs)
-    sequence = torch.tensor([prompts[1] + out.token_ids])
-
-    def reference(model) -> torch.Tensor:
-        with torch.no_grad():
-            logprobs = model(sequence).logits[0, :-1].log_softmax(-1)
-        return logprobs.gather(1, sequence[0, 1:, None])[:, 0]
-
-    torch.testing.assert_close(got, reference(hf), atol=2e-5, rtol=0)
-    assert (got - reference(full)).abs().max() > 1e-3
+    sequence = prompts[1] + out.token_ids
+    torch.testing.assert_close(got, hf_token_logprobs(hf, sequence), atol=2e-5, rtol=0)
+    assert (got - hf_token_logprobs(full, sequence)).abs().max() > 1e-3
 
 
 def test_window_as_long_as_the_context_is_no_window(tmp_path):
