@@ -6,9 +6,10 @@ Two measurements, both replayed from CUDA graphs (what the engine's decode steps
    us per call and the weight bytes over that time. `--sweep` adds gemv's BLOCK_N and warps.
 2. A Qwen3-0.6B- and a Llama-3.1-8B-shaped layer chain without attention (28 and 8 layers in
    one graph): RMSNorm + residual, qkv, o_proj (on the qkv output's first features), RMSNorm +
-   residual, gate_up, SiLU-and-multiply, down. Small GEMMs through gemm.linear, through gemv without programmatic
-   dependent launch, through gemv with it (the norms and the SiLU release the gemv early), and
-   with the norms and the SiLU folded into gemv's prologues (four launches per layer, not seven).
+   residual, gate_up, SiLU-and-multiply, down. Small GEMMs through gemm.linear, through gemv without
+   programmatic dependent launch, with PDL releasing the gemv early, with every launch chained
+   (MINFER_PDL's default at <= 2 rows), and with each of the two norms and the SiLU folded into
+   gemv's prologues, one at a time and all three; the variant gemv.prologue_pays picks is marked.
    Prints us per layer and checks every variant's output against the first.
 
 Run from the repository root on the GPU host:
@@ -53,8 +54,9 @@ SHAPES = {  # (N, K) of y = x @ w.T
 }
 
 
-def set_pdl(on: bool) -> None:
-    os.environ["MINFER_PDL"] = "1" if on else "0"
+def set_pdl(mode: str) -> None:
+    """MINFER_PDL's mode (minfer.kernels.common): "0", "release", "1" (chains <= 2 rows), "chain"."""
+    os.environ["MINFER_PDL"] = mode
     common.reset_pdl_choice()
 
 
@@ -97,7 +99,9 @@ def shape_table(rows_list: list[int], sweep: bool) -> None:
 
             def gemv_with_pdl(on: bool):
                 def call(i):
-                    set_pdl(on)  # also while the graph is captured: the launch takes the attribute or not
+                    set_pdl(
+                        "1" if on else "0"
+                    )  # also while the graph is captured: the launch takes the attribute or not
                     return gemv.gemv(x, weights[i % copies])
 
                 return call
@@ -115,18 +119,30 @@ def shape_table(rows_list: list[int], sweep: bool) -> None:
                 )(config)
             cells = []
             for label, fn in variants.items():
-                set_pdl(True)
+                set_pdl("1")
                 out = fn(0)
                 err = (out.float() - ref).abs().max().item() / max(1.0, ref.abs().max().item())
                 us = graph_us(fn, 64)
                 cells.append(f"{label} {us:6.2f} us {nbytes / us / 1e6:5.2f} TB/s (err {err:.1e})")
-            set_pdl(True)
+            set_pdl("1")
             print(f"{name:20s} M={m}: " + " | ".join(cells), flush=True)
 
 
 # (hidden, intermediate, qkv width, attention output width, layers in the graph): every layer's
 # weights are its own, so they come from DRAM as in a decode step (8 of Llama's 32 layers: 3.5 GB)
-CHAINS = {"qwen3-0.6b": (1024, 3072, 4096, 2048, 28), "llama-8b": (4096, 14336, 6144, 4096, 8)}
+CHAINS = {
+    "qwen3-0.6b": (1024, 3072, 4096, 2048, 28),
+    "qwen3-1.7b": (2048, 6144, 4096, 2048, 28),
+    "llama-8b": (4096, 14336, 6144, 4096, 8),
+}
+# Which of a layer's three prologues fold (qkv's norm, gate_up's norm, down's SiLU), by name.
+FOLDS = {
+    "chain": (False, False, False),
+    "chain, qkv norm folded": (True, False, False),
+    "chain, gate_up norm folded": (False, True, False),
+    "chain, silu folded": (False, False, True),
+    "chain, all folded": (True, True, True),
+}
 
 
 def layer_chain(model: str, m: int) -> None:
@@ -149,6 +165,9 @@ def layer_chain(model: str, m: int) -> None:
     ]
     x0 = torch.randn((m, hidden), generator=gen, device=DEVICE).to(DTYPE)
 
+    def auto(x, w):  # the engine's choice (minfer.layers.linear.linear)
+        return gemv.gemv(x, w) if gemv.suits(x.shape[0], w) else gemm.linear(x, w)
+
     def separate(lin):
         def run():
             h, res = x0, torch.zeros_like(x0)
@@ -162,31 +181,54 @@ def layer_chain(model: str, m: int) -> None:
 
         return run
 
-    def folded():  # the norms and the SiLU in the gemv prologues (MINFER_GEMV_PROLOGUE=on)
-        h, res = x0, torch.zeros_like(x0)
-        for p in params:
-            qkv, res = gemv.normed_gemv(h, p["qkv"], p["n1"], 1e-6, res)
-            h = gemv.gemv(qkv[:, :attn_width], p["o"])
-            gate_up, res = gemv.normed_gemv(h, p["gate_up"], p["n2"], 1e-6, res)
-            h = gemv.gated_gemv(gate_up, p["down"])
-        return h + res
+    def folded(fold_qkv: bool, fold_gate_up: bool, fold_silu: bool):
+        """Each chosen norm or SiLU in the gemv prologue after it (MINFER_GEMV_PROLOGUE)."""
 
-    variants = [("splitk", False, separate(gemm.linear))]
-    if m <= gemv.MAX_ROWS and (m == 1 or inter <= gemv.MAX_K_TWO_ROWS):
-        variants += [
-            ("gemv", False, separate(gemv.gemv)),
-            ("gemv+pdl", True, separate(gemv.gemv)),
-            ("gemv+pdl, prologues", True, folded),
-        ]
+        def normed(h, res, w, norm_w, fold):
+            if fold:
+                return gemv.normed_gemv(h, w, norm_w, 1e-6, res)
+            h, res = rmsnorm(h, norm_w, 1e-6, res)
+            return auto(h, w), res
+
+        def run():
+            h, res = x0, torch.zeros_like(x0)
+            for p in params:
+                qkv, res = normed(h, res, p["qkv"], p["n1"], fold_qkv)
+                h = auto(qkv[:, :attn_width], p["o"])
+                gate_up, res = normed(h, res, p["gate_up"], p["n2"], fold_gate_up)
+                h = (
+                    gemv.gated_gemv(gate_up, p["down"])
+                    if fold_silu
+                    else auto(silu_and_mul(gate_up), p["down"])
+                )
+            return h + res
+
+        return run
+
+    p0 = params[0]
+    rule = tuple(gemv.prologue_pays(m, p0[w]) for w in ("qkv", "gate_up", "down"))
+    variants = [("splitk", "0", separate(gemm.linear))]
+    if m <= gemv.MAX_ROWS:
+        variants += [("gemv", "0", separate(auto)), ("gemv+release", "release", separate(auto))]
+        for label, (fq, fg, fs) in FOLDS.items():
+            fold = (
+                fq and gemv.suits(m, p0["qkv"]),
+                fg and gemv.suits(m, p0["gate_up"]),
+                fs and gemv.suits(m, p0["down"]),
+            )
+            if label == "chain" or any(fold):
+                variants.append((label + (" [the rule]" if fold == rule else ""), "1", folded(*fold)))
     outputs, cells = [], []
-    for label, pdl, run in variants:
-        set_pdl(pdl)
+    for label, mode, run in variants:
+        set_pdl(mode)
         outputs.append(run().float())
         us = graph_us(lambda i: run(), 1, replays=50) / layers
         diff = (outputs[-1] - outputs[0]).abs().max().item() / outputs[0].abs().max().item()
         cells.append(f"{label} {us:6.2f} us/layer (max rel diff {diff:.1e})")
-    set_pdl(True)
-    print(f"{model} layer chain M={m}: " + " | ".join(cells), flush=True)
+    set_pdl("1")
+    print(f"{model} layer chain M={m}, rule folds (qkv, gate_up, silu) = {rule}:", flush=True)
+    for cell in cells:
+        print("    " + cell, flush=True)
 
 
 def main() -> None:

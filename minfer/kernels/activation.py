@@ -39,7 +39,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and width:
         block = min(1024, triton.next_power_of_2(width))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(width, block))](
-            x2, out, x2.stride(0), width, BLOCK=block, num_warps=4, **pdl_args(x.device)
+            x2, out, x2.stride(0), width, BLOCK=block, num_warps=4, **pdl_args(x.device, x2.shape[0])
         )
     return out
 

@@ -326,7 +326,7 @@ def decode_attention(
         num_stages=NUM_STAGES,
         WINDOW=window or 0,
         **register_cap,
-        **pdl_args(q.device),
+        **pdl_args(q.device, batch),
     )
     if num_splits > 1:
         merge_splits(out, part_out, part_lse)

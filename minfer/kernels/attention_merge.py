@@ -69,6 +69,6 @@ def merge_splits(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tens
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
-        **pdl_args(out.device),
+        **pdl_args(out.device, batch),
     )
     return out

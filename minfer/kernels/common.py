@@ -17,24 +17,49 @@ import triton.language as tl
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
+# MINFER_PDL: "1" (the default) chains launches of at most CHAIN_ROWS rows and releases the rest;
+# "chain" chains every launch, "release" none (the fifteenth session's default), "0" turns
+# programmatic dependent launch off; the last three are for A/B runs.
+_PDL_MODES = ("0", "release", "1", "chain")
+# Chained (launched early, waiting at the first statement) only up to this many rows: there the
+# gemv between the kernels reads its weights early too and a step is mostly kernel boundaries
+# (H200, batch-1 graph 0.96 -> 0.83 ms for Qwen3-0.6B). From 4 rows up the products are the
+# split-K GEMM or cuBLAS, which start only when the kernel before them ends, and chaining the
+# rest cost ~1% (offline Qwen3-0.6B 25,177 -> 24,989 tok/s; docs/BENCHMARKS.md, eighteenth session).
+CHAIN_ROWS = 2
+
+
+def _pdl_mode() -> str:
+    mode = os.environ.get("MINFER_PDL", "1")
+    if mode not in _PDL_MODES:
+        raise ValueError(f"MINFER_PDL={mode!r}: expected one of {', '.join(_PDL_MODES)}")
+    return mode
+
+
 @functools.cache
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` use programmatic dependent launch (minfer.kernels.gemv):
     compiled kernels (not the interpreter) on compute capability 9.0 or later, unless
-    MINFER_PDL=0 (for A/B runs; MINFER_PDL=chain: see pdl_args)."""
-    if INTERPRET or device.type != "cuda" or os.environ.get("MINFER_PDL", "1") == "0":
+    MINFER_PDL=0."""
+    if INTERPRET or device.type != "cuda" or _pdl_mode() == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def pdl_args(device: torch.device, rows: int) -> types.MappingProxyType:
+    """Launch arguments of a kernel over `rows` rows (tokens, or requests of a decode step) that
+    starts with `pdl_start`: PDL_RELEASE (let the next kernel start early) wherever PDL is
+    enabled; where the launch is chained (see CHAIN_ROWS) also PDL_WAIT and the launch
+    attribute, so this kernel itself starts while the one before it finishes."""
+    return _pdl_args(device, rows <= CHAIN_ROWS)
+
+
 @functools.cache
-def pdl_args(device: torch.device) -> types.MappingProxyType:
-    """Launch arguments of a kernel that starts with `pdl_start`: PDL_RELEASE (let the next
-    kernel start early) wherever PDL is enabled; with MINFER_PDL=chain also PDL_WAIT and the
-    launch attribute, so this kernel itself starts while the one before it finishes. Cached
-    (read-only): it is unpacked into every launch of those kernels."""
+def _pdl_args(device: torch.device, few_rows: bool) -> types.MappingProxyType:
+    # cached and read-only: it is unpacked into every launch of those kernels
     release = pdl_enabled(device)
-    chained = release and os.environ.get("MINFER_PDL") == "chain"
+    mode = _pdl_mode()
+    chained = release and (mode == "chain" or (mode == "1" and few_rows))
     return types.MappingProxyType(
         {"PDL_RELEASE": release, "PDL_WAIT": chained, **({"launch_pdl": True} if chained else {})}
     )
@@ -43,7 +68,7 @@ def pdl_args(device: torch.device) -> types.MappingProxyType:
 def reset_pdl_choice() -> None:
     """Read MINFER_PDL again (A/B scripts and tests that change it within one process)."""
     pdl_enabled.cache_clear()
-    pdl_args.cache_clear()
+    _pdl_args.cache_clear()
 
 
 @triton.jit

@@ -45,6 +45,13 @@ MAX_K_TWO_ROWS = 8192
 # Weight elements one program holds: 32 KB of bf16 at one row (64 registers per thread over 8
 # warps), half of that at two rows.
 _SLICE_ELEMENTS = 16384
+# Each program of a prologue re-reads its rows' two inputs (x and the residual, or gate and up)
+# from L2 after its wait, and makes the row before its products: a cost that grows with the grid
+# (programs x rows x 2K elements) while the launch it saves does not. On the H200 (docs/
+# BENCHMARKS.md, eighteenth session) Qwen3-0.6B's prologues (<= 3 MB re-read each) took 3.2 us
+# off a 18 us layer at one row; Llama-3.1-8B's (25-235 MB, grids of 6-31 waves) put 27 us on a
+# 111 us one. The bound lies between.
+PROLOGUE_REREAD_BYTES = 8 << 20
 # MINFER_GEMV=off sends these products back to minfer.kernels.gemm / cuBLAS, for A/B runs.
 _GEMV = os.environ.get("MINFER_GEMV", "on")
 # What each program does to its row of x after the wait, before the products (see normed_gemv
@@ -131,6 +138,17 @@ def suits(rows: int, weight: torch.Tensor) -> bool:
     """Whether `gemv` should take this product (see MAX_ROWS)."""
     k = weight.shape[1]
     return _GEMV != "off" and (rows == 1 and k <= MAX_K or rows == 2 and k <= MAX_K_TWO_ROWS)
+
+
+def prologue_pays(rows: int, weight: torch.Tensor) -> bool:
+    """Whether folding the step before this product into gemv's prologue (normed_gemv,
+    gated_gemv) should be faster than launching it: where gemv takes the product and its grid
+    re-reads at most PROLOGUE_REREAD_BYTES of rows (see there)."""
+    if not suits(rows, weight):
+        return False
+    n, k = weight.shape
+    block_n = choose_config(n, k, num_sms(weight.device), rows)[0]
+    return triton.cdiv(n, block_n) * rows * 2 * k * weight.element_size() <= PROLOGUE_REREAD_BYTES
 
 
 def gemv(

@@ -127,7 +127,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
             BLOCK=triton.next_power_of_2(dim),
             HAS_RESIDUAL=residual is not None,
             TERMS=terms,
-            **pdl_args(x.device),
+            **pdl_args(x.device, x3.shape[0]),
             num_warps=_num_warps(dim),
         )
     return out if residual is None else (out, residual_out)

@@ -25,10 +25,11 @@ from minfer.layers.quantized_linear import LowBitWeight
 # MINFER_SMALL_GEMM=cublas keeps them on cuBLAS, for A/B measurements.
 _SMALL_GEMM = os.environ.get("MINFER_SMALL_GEMM", "triton")
 _HALF = (torch.bfloat16, torch.float16)
-# MINFER_GEMV_PROLOGUE=on: at one or two rows the RMSNorm before qkv / gate_up and the
-# SiLU-and-multiply before down run inside gemv (minfer.kernels.gemv's prologues), three launches
-# fewer per decoder layer. Opt-in until it has been measured on a GPU (docs/PERFORMANCE.md).
-_GEMV_PROLOGUE = os.environ.get("MINFER_GEMV_PROLOGUE", "off") == "on"
+# At one or two rows the RMSNorm before qkv / gate_up and the SiLU-and-multiply before down can
+# run inside gemv (minfer.kernels.gemv's prologues), a launch fewer each. MINFER_GEMV_PROLOGUE:
+# "auto" (the default) folds them where gemv.prologue_pays, "on" wherever gemv takes the product,
+# "off" never (the last two for A/B runs).
+_GEMV_PROLOGUE = os.environ.get("MINFER_GEMV_PROLOGUE", "auto")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,11 +46,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _folds_prologue(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x's rows go through minfer.kernels.gemv with the step before it folded in."""
-    if not (_GEMV_PROLOGUE and x.is_cuda and x.dtype in _HALF and _SMALL_GEMM == "triton"):
+    if _GEMV_PROLOGUE == "off" or not (x.is_cuda and x.dtype in _HALF and _SMALL_GEMM == "triton"):
         return False
     from minfer.kernels import gemv
 
-    return gemv.suits(x.numel() // x.shape[-1], weight)
+    rows = x.numel() // x.shape[-1]
+    return gemv.suits(rows, weight) if _GEMV_PROLOGUE == "on" else gemv.prologue_pays(rows, weight)
 
 
 def _divide(a: int, b: int, what: str) -> int:

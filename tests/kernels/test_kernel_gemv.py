@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import gemm_tolerance
 
-from minfer.kernels import gemv
+from minfer.kernels import common, gemv
 
 # (M, N, K, config): K not a power of two (masked tail of the slice), N not a multiple of the
 # block, one output row per program, and the default configuration.
@@ -99,12 +99,44 @@ def test_gemv_after_a_releasing_kernel_in_a_cuda_graph():
 def test_pdl_is_off_where_it_cannot_run(monkeypatch):
     """The interpreter and CPU tensors never get the launch attribute or the wait/release
     instructions, whatever MINFER_PDL says (they exist only on compiled Hopper+ kernels)."""
-    from minfer.kernels import common
-
     monkeypatch.setenv("MINFER_PDL", "chain")
     common.reset_pdl_choice()
     try:
-        assert common.pdl_args(torch.device("cpu")) == {"PDL_RELEASE": False, "PDL_WAIT": False}
+        for rows in (1, 256):
+            assert common.pdl_args(torch.device("cpu"), rows) == {"PDL_RELEASE": False, "PDL_WAIT": False}
+    finally:
+        common.reset_pdl_choice()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available()
+    or torch.cuda.get_device_capability()[0] < 9
+    or bool(common.INTERPRET.value),
+    reason="programmatic dependent launch needs a compiled Hopper+ kernel",
+)
+@pytest.mark.parametrize(
+    "mode, chained_rows", [("1", (1, 2)), ("chain", (1, 2, 3, 256)), ("release", ()), ("0", ())]
+)
+def test_pdl_modes_chain_the_launches_they_name(monkeypatch, mode, chained_rows):
+    """MINFER_PDL's modes on a GPU: the default chains launches of at most CHAIN_ROWS rows and
+    releases every launch; "chain" chains all of them, "release" none, "0" turns PDL off."""
+    monkeypatch.setenv("MINFER_PDL", mode)
+    common.reset_pdl_choice()
+    try:
+        for rows in (1, 2, 3, 256):
+            args = common.pdl_args(torch.device("cuda"), rows)
+            assert args["PDL_WAIT"] == (rows in chained_rows) == args.get("launch_pdl", False)
+            assert args["PDL_RELEASE"] == (mode != "0")
+    finally:
+        common.reset_pdl_choice()
+
+
+def test_an_unknown_pdl_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("MINFER_PDL", "yes")
+    common.reset_pdl_choice()
+    try:
+        with pytest.raises(ValueError, match="MINFER_PDL='yes'"):
+            common.pdl_args(torch.device("cpu"), 1)
     finally:
         common.reset_pdl_choice()
 
@@ -185,3 +217,22 @@ def test_layers_fold_the_prologues_and_return_what_the_separate_steps_return(mon
     for (out, stream), (expected, expected_stream) in zip(fused, unfused):
         torch.testing.assert_close(stream, expected_stream, atol=0, rtol=0)
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "rows, n, k, pays",
+    [
+        (1, 4096, 1024, True),  # Qwen3-0.6B's qkv, gate_up and down: measured faster folded
+        (1, 6144, 1024, True),
+        (1, 1024, 3072, True),
+        (1, 6144, 4096, False),  # Llama-3.1-8B's: measured slower folded
+        (1, 28672, 4096, False),
+        (1, 4096, 14336, False),
+        (4, 4096, 1024, False),  # not a gemv product at all
+    ],
+)
+def test_prologues_fold_where_the_grid_rereads_little(rows, n, k, pays):
+    """gemv.prologue_pays: the grid's re-read of its input rows against PROLOGUE_REREAD_BYTES
+    (weights on the meta device: only their shape and dtype matter)."""
+    weight = torch.empty((n, k), dtype=torch.bfloat16, device="meta")
+    assert gemv.prologue_pays(rows, weight) is pays
