@@ -9,7 +9,7 @@ Two measurements, both replayed from CUDA graphs (what the engine's decode steps
    residual, gate_up, SiLU-and-multiply, down. Small GEMMs through gemm.linear, through gemv without
    programmatic dependent launch, with PDL releasing the gemv early, with every launch chained
    (MINFER_PDL's default at <= 2 rows), and with each of the two norms and the SiLU folded into
-   gemv's prologues, one at a time and all three; the variant gemv.prologue_pays picks is marked.
+   gemv's prologues, one at a time, both norms, and all three; the variant gemv.prologue_pays picks is marked.
    Prints us per layer and checks every variant's output against the first.
 
 Run from the repository root on the GPU host:
@@ -141,6 +141,7 @@ FOLDS = {
     "chain, qkv norm folded": (True, False, False),
     "chain, gate_up norm folded": (False, True, False),
     "chain, silu folded": (False, False, True),
+    "chain, both norms folded": (True, True, False),
     "chain, all folded": (True, True, True),
 }
 
@@ -206,7 +207,7 @@ def layer_chain(model: str, m: int) -> None:
         return run
 
     p0 = params[0]
-    rule = tuple(gemv.prologue_pays(m, p0[w]) for w in ("qkv", "gate_up", "down"))
+    rule = tuple(gemv.prologue_pays(m, p0[w], w == "down") for w in ("qkv", "gate_up", "down"))
     variants = [("splitk", "0", separate(gemm.linear))]
     if m <= gemv.MAX_ROWS:
         variants += [("gemv", "0", separate(auto)), ("gemv+release", "release", separate(auto))]

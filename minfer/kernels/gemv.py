@@ -46,12 +46,15 @@ MAX_K_TWO_ROWS = 8192
 # warps), half of that at two rows.
 _SLICE_ELEMENTS = 16384
 # Each program of a prologue re-reads its rows' two inputs (x and the residual, or gate and up)
-# from L2 after its wait, and makes the row before its products: a cost that grows with the grid
-# (programs x rows x 2K elements) while the launch it saves does not. On the H200 (docs/
-# BENCHMARKS.md, eighteenth session) Qwen3-0.6B's prologues (<= 3 MB re-read each) took 3.2 us
-# off a 18 us layer at one row; Llama-3.1-8B's (25-235 MB, grids of 6-31 waves) put 27 us on a
-# 111 us one. The bound lies between.
-PROLOGUE_REREAD_BYTES = 8 << 20
+# from L2 after its wait and makes the row before its products: a cost that grows with the grid
+# (programs x rows x 2K elements, "the re-read") while the launch it saves does not. Measured on
+# the H200 per prologue, in layer chains of three shapes (docs/BENCHMARKS.md, eighteenth
+# session): at one row every RMSNorm fold paid or broke even (re-reads of 1-112 MB; Llama-3.1-8B's
+# qkv -2.4 us); at two rows the norm paid up to a 16 MB re-read and lost from 48 MB; the SiLU,
+# whose row is the wide intermediate one, broke even at 3 MB and lost from 12 MB (Qwen3-1.7B's
+# down at 24 MB +4.9 us, Llama's at 224 MB +31 us).
+NORM_REREAD_BYTES_TWO_ROWS = 16 << 20
+SILU_REREAD_BYTES = 8 << 20
 # MINFER_GEMV=off sends these products back to minfer.kernels.gemm / cuBLAS, for A/B runs.
 _GEMV = os.environ.get("MINFER_GEMV", "on")
 # What each program does to its row of x after the wait, before the products (see normed_gemv
@@ -140,15 +143,17 @@ def suits(rows: int, weight: torch.Tensor) -> bool:
     return _GEMV != "off" and (rows == 1 and k <= MAX_K or rows == 2 and k <= MAX_K_TWO_ROWS)
 
 
-def prologue_pays(rows: int, weight: torch.Tensor) -> bool:
-    """Whether folding the step before this product into gemv's prologue (normed_gemv,
-    gated_gemv) should be faster than launching it: where gemv takes the product and its grid
-    re-reads at most PROLOGUE_REREAD_BYTES of rows (see there)."""
+def prologue_pays(rows: int, weight: torch.Tensor, silu: bool) -> bool:
+    """Whether folding the step before this product into gemv's prologue (`gated_gemv` with
+    `silu`, else `normed_gemv`) should be faster than launching it: where gemv takes the product
+    and its grid's re-read is within the bound measured for that prologue (see above)."""
     if not suits(rows, weight):
         return False
+    if not silu and rows == 1:
+        return True
     n, k = weight.shape
-    block_n = choose_config(n, k, num_sms(weight.device), rows)[0]
-    return triton.cdiv(n, block_n) * rows * 2 * k * weight.element_size() <= PROLOGUE_REREAD_BYTES
+    reread = triton.cdiv(n, choose_config(n, k, num_sms(weight.device), rows)[0]) * rows * 2 * k
+    return reread * weight.element_size() <= (SILU_REREAD_BYTES if silu else NORM_REREAD_BYTES_TWO_ROWS)
 
 
 def gemv(

@@ -44,14 +44,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _folds_prologue(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x's rows go through minfer.kernels.gemv with the step before it folded in."""
+def _folds_prologue(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> bool:
+    """Whether x's rows go through minfer.kernels.gemv with the step before it (the SiLU-and-
+    multiply with `silu`, else an RMSNorm) folded in."""
     if _GEMV_PROLOGUE == "off" or not (x.is_cuda and x.dtype in _HALF and _SMALL_GEMM == "triton"):
         return False
     from minfer.kernels import gemv
 
     rows = x.numel() // x.shape[-1]
-    return gemv.suits(rows, weight) if _GEMV_PROLOGUE == "on" else gemv.prologue_pays(rows, weight)
+    return gemv.suits(rows, weight) if _GEMV_PROLOGUE == "on" else gemv.prologue_pays(rows, weight, silu)
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -89,7 +90,11 @@ class ColumnParallelLinear(nn.Module):
         """(self(norm(x [+ residual])), the residual stream after the add): what the norm and
         this layer return one after the other (x itself is the stream without `residual`); one
         kernel where the prologue folds (see _GEMV_PROLOGUE)."""
-        if self.low_bit is None and norm.weight.dtype == x.dtype and _folds_prologue(x, self.weight):
+        if (
+            self.low_bit is None
+            and norm.weight.dtype == x.dtype
+            and _folds_prologue(x, self.weight, silu=False)
+        ):
             from minfer.kernels.gemv import normed_gemv
 
             return normed_gemv(x, self.weight, norm.weight, norm.eps, residual, self.bias)
@@ -179,7 +184,7 @@ class RowParallelLinear(nn.Module):
     def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) for gate_up [..., 2 x in_per_rank] holding [gate | up]; one
         kernel where the prologue folds (see _GEMV_PROLOGUE)."""
-        if self.low_bit is None and _folds_prologue(gate_up, self.weight):
+        if self.low_bit is None and _folds_prologue(gate_up, self.weight, silu=True):
             from minfer.kernels.gemv import gated_gemv
 
             return self._reduce(gated_gemv(gate_up, self.weight))
