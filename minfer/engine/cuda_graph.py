@@ -17,7 +17,7 @@ import time
 import torch
 
 from minfer.attention.base import AttentionMetadata, ForwardContext
-from minfer.device import to_device
+from minfer.engine.decode_inputs import DecodeInputs
 
 log = logging.getLogger(__name__)
 
@@ -158,23 +158,15 @@ class CudaGraphRunner:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_bs
 
-    def replay(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        out_loc: torch.Tensor,
-        table_idx: list[int],
-        prefix_lens: list[int],
-    ) -> torch.Tensor:
-        n = len(table_idx)
-        bs = next(s for s in self.batch_sizes if s >= n)
-        self.inputs.stage(input_ids, positions, out_loc, bs)
-        pad = bs - n
-        meta = to_device(
-            [table_idx + [self.padding_row] * pad, [p + 1 for p in prefix_lens] + [1] * pad],
-            torch.int32,
-            self.device,
-        )
-        self.meta[:, :bs].copy_(meta)
+    def padded_size(self, batch_size: int) -> int:
+        """The batch size of the graph a decode step of `batch_size` requests replays."""
+        return next(s for s in self.batch_sizes if s >= batch_size)
+
+    def replay(self, input_ids: torch.Tensor, step: DecodeInputs) -> torch.Tensor:
+        """Logits of the step's requests; its vectors are staged padded to `padded_size`
+        (engine/decode_inputs.py), so the padding rows already point at the scratch slot."""
+        bs = step.meta.shape[1]
+        self.inputs.stage(input_ids, step.positions, step.out_loc, bs)
+        self.meta[:, :bs].copy_(step.meta)
         self.graphs[bs].replay()
-        return self.logits[:n]
+        return self.logits[: step.n]

@@ -17,8 +17,9 @@ from minfer.config import EngineConfig, default_chunked_prefill_size, default_ma
 from minfer.core import Batch, LogprobRow, Phase
 from minfer.device import set_cpu_threads, set_gpu_host_threads, to_device
 from minfer.distributed.parallel import SINGLE, TPGroup
+from minfer.engine.decode_inputs import stage_decode_inputs
 from minfer.engine.graphs import capture_cuda_graphs
-from minfer.engine.logprobs import LogprobTensors, reduce_logprobs, rows_of
+from minfer.engine.logprobs import LogprobTensors, prompt_logprob_spans, reduce_logprobs, rows_of
 from minfer.engine.memory import MemoryBudget, device_memory_in_use, plan_memory
 from minfer.engine.sample_step import sample_step
 from minfer.engine.sampler import SamplingTensorCache
@@ -238,21 +239,28 @@ class Engine:
         is_decode = batch.phase == Phase.DECODE
         prefix_lens = [r.cached_len for r in reqs]
         table_idx = [r.table_idx for r in reqs]
-        # One host-to-device copy for the three per-token vectors (row, position, slot).
+        # One host-to-device copy for the per-token vectors (row, position, slot; and at decode
+        # what the graph, the sampler and the token table read too: engine/decode_inputs.py).
+        graphed = is_decode and self.graphs is not None and self.graphs.can_run(len(reqs))
+        step = None
         if is_decode:
-            per_token = to_device([table_idx, prefix_lens, batch.out_loc], torch.int64, self.device)
+            width = self.graphs.padded_size(len(reqs)) if graphed else len(reqs)
+            pad_row, scratch = self.page_table.padding_row, self.kv_pool.scratch_slot
+            step = stage_decode_inputs(reqs, batch.out_loc, width, pad_row, scratch, self.device)
+            rows_d, positions_d, out_loc = step.table_idx, step.positions, step.out_loc
         else:
             rows, positions = runs_of_positions(table_idx, prefix_lens, batch.extend_lens)
             slots = torch.as_tensor(batch.out_loc, dtype=torch.int64)
-            per_token = to_device(torch.stack([rows, positions, slots]), torch.int64, self.device)
-        positions_d, out_loc = per_token[1], per_token[2]
-        input_ids = self.page_table.gather_tokens(per_token[0], positions_d)
+            rows_d, positions_d, out_loc = to_device(
+                torch.stack([rows, positions, slots]), torch.int64, self.device
+            )
+        input_ids = self.page_table.gather_tokens(rows_d, positions_d)
         sampled_rows = [i for i, s in enumerate(batch.sample_mask) if s]
-        prompt_spans = [] if is_decode else self._prompt_logprob_spans(batch)
+        prompt_spans = [] if is_decode else prompt_logprob_spans(batch)
         prompt_logprobs = None
         with torch.inference_mode():
-            if is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
-                logits = self.graphs.replay(input_ids, positions_d, out_loc, table_idx, prefix_lens)
+            if graphed:
+                logits = self.graphs.replay(input_ids, step)
             else:
                 extend_lens = list(batch.extend_lens)
                 graphs = self.prefill_graphs  # a prefill pass replays a graph where one holds it
@@ -286,12 +294,17 @@ class Engine:
                     self.model.shard_logits(hidden) if self.tp.size > 1 else self.model.compute_logits(hidden)
                 )
             chosen = [reqs[i] for i in sampled_rows]
-            next_tokens, sampled_logprobs, logprob_rows = sample_step(self, chosen, logits)
+            # A decode step samples every row: its staged positions are then the chosen ones'.
+            sampled_at = step.sampled_at if step is not None and len(chosen) == step.n else None
+            next_tokens, sampled_logprobs, logprob_rows = sample_step(self, chosen, logits, sampled_at)
             # The sampled token becomes known on the device at position device_len, where the
             # next decode step's input gather finds it without a trip through the CPU.
-            where = to_device(
-                [[r.table_idx for r in chosen], [r.device_len for r in chosen]], torch.int64, self.device
-            )
+            if sampled_at is not None:
+                where = step.table_idx[: step.n], sampled_at
+            else:
+                where = to_device(
+                    [[r.table_idx for r in chosen], [r.device_len for r in chosen]], torch.int64, self.device
+                )
             self.page_table.scatter_tokens(where[0], where[1], next_tokens)
         result = ForwardResult(
             next_tokens,
@@ -311,19 +324,6 @@ class Engine:
 
             self._grammar = GrammarBackend(self.tokenizer, self.vocab_size)
         return self._grammar
-
-    @staticmethod
-    def _prompt_logprob_spans(batch: Batch) -> list[tuple[int, int, int]]:
-        """(req index, first position, count) of the prompt positions this pass scores: those of
-        the chunk whose next token is a prompt token (position p scores token p + 1)."""
-        spans = []
-        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
-            if req.params.prompt_logprobs is None or req.output_len:
-                continue
-            end = min(req.cached_len + n, req.prompt_len - 1)
-            if end > req.cached_len:
-                spans.append((i, req.cached_len, end - req.cached_len))
-        return spans
 
     def _prompt_logprobs(
         self, batch: Batch, hidden: torch.Tensor, spans: list[tuple[int, int, int]]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minfer.core import LogprobRow
+from minfer.core import Batch, LogprobRow
 
 # Rows reduced at once: bounds the float32 [rows, vocab] temporaries of a long prompt.
 ROWS_PER_CHUNK = 256
@@ -51,3 +51,16 @@ def reduce_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> Logp
 def rows_of(result: LogprobTensors) -> list[LogprobRow]:
     """Host tensors -> one row per scored position."""
     return list(map(LogprobRow, result.target.tolist(), result.top_ids.tolist(), result.top_values.tolist()))
+
+
+def prompt_logprob_spans(batch: Batch) -> list[tuple[int, int, int]]:
+    """(req index, first position, count) of the prompt positions this pass scores: those of
+    the chunk whose next token is a prompt token (position p scores token p + 1)."""
+    spans = []
+    for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+        if req.params.prompt_logprobs is None or req.output_len:
+            continue
+        end = min(req.cached_len + n, req.prompt_len - 1)
+        if end > req.cached_len:
+            spans.append((i, req.cached_len, end - req.cached_len))
+    return spans

@@ -26,15 +26,16 @@ if TYPE_CHECKING:
 
 
 def sample_step(
-    engine: Engine, chosen: list[Req], logits: torch.Tensor
+    engine: Engine, chosen: list[Req], logits: torch.Tensor, sampled_at: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, LogprobTensors | None, list[int]]:
     """(next tokens [B], logprobs of the sampled tokens or None, the rows of `chosen` those
     logprobs belong to). `logits` is float32 [B, vocab], or [B, shard] when TP splits the
-    vocabulary."""
+    vocabulary. `sampled_at`: the requests' device_len already on the device (a decode step's,
+    engine/decode_inputs.py), else staged here."""
     logprob_rows = [j for j, r in enumerate(chosen) if r.params.logprobs is not None]
     adjustments = build_adjustments(chosen, engine.page_table, engine.vocab_size, engine.device)
     has_grammar = any(r.grammar is not None for r in chosen)
-    st = engine.sampling_tensors.get(chosen, engine.vocab_size, engine.device)
+    st = engine.sampling_tensors.get(chosen, engine.vocab_size, engine.device, sampled_at)
     if engine.tp.size > 1:
         whole_row_needed = (
             logprob_rows

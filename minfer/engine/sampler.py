@@ -76,19 +76,25 @@ class SamplingTensorCache:
         self._reqs: tuple = ()
         self._tensors: SamplingTensors | None = None
 
-    def get(self, reqs: list, vocab_size: int, device: torch.device) -> SamplingTensors:
-        """SamplingTensors of `reqs` (minfer.core.Req) at their current positions."""
-        positions = [r.device_len for r in reqs]
+    def get(
+        self, reqs: list, vocab_size: int, device: torch.device, positions: torch.Tensor | None = None
+    ) -> SamplingTensors:
+        """SamplingTensors of `reqs` (minfer.core.Req) at their current positions (device_len),
+        which `positions` holds already on the device when given."""
         same = len(reqs) == len(self._reqs) and all(a is b for a, b in zip(reqs, self._reqs))
         if not same or self._tensors is None:
             self._reqs = tuple(reqs)
             self._tensors = SamplingTensors.build(
-                [r.params for r in reqs], [r.seed for r in reqs], positions, vocab_size, device
+                [r.params for r in reqs],
+                [r.seed for r in reqs],
+                [r.device_len for r in reqs],
+                vocab_size,
+                device,
             )
             return self._tensors
-        self._tensors = dataclasses.replace(
-            self._tensors, positions=to_device(positions, torch.int64, device)
-        )
+        if positions is None:
+            positions = to_device([r.device_len for r in reqs], torch.int64, device)
+        self._tensors = dataclasses.replace(self._tensors, positions=positions)
         return self._tensors
 
 

@@ -48,7 +48,7 @@ _SLICE_ELEMENTS = 16384
 # Each program of a prologue re-reads its rows' two inputs (x and the residual, or gate and up)
 # from L2 after its wait and makes the row before its products: a cost that grows with the grid
 # (programs x rows x 2K elements, "the re-read") while the launch it saves does not. Measured on
-# the H200 per prologue, in layer chains of three shapes (docs/BENCHMARKS.md, eighteenth
+# the H200 per prologue, in layer chains of three shapes (docs/BENCHMARKS.md, nineteenth
 # session): at one row every RMSNorm fold paid or broke even (re-reads of 1-112 MB; Llama-3.1-8B's
 # qkv -2.4 us); at two rows the norm paid up to a 16 MB re-read and lost from 48 MB; the SiLU,
 # whose row is the wide intermediate one, broke even at 3 MB and lost from 12 MB (Qwen3-1.7B's

@@ -221,7 +221,7 @@ def test_layers_fold_the_prologues_and_return_what_the_separate_steps_return(mon
 
 @pytest.mark.parametrize(
     "rows, n, k, silu, pays",
-    [  # the H200 measurements behind gemv's bounds (docs/BENCHMARKS.md, eighteenth session)
+    [  # the H200 measurements behind gemv's bounds (docs/BENCHMARKS.md, nineteenth session)
         (1, 28672, 4096, False, True),  # Llama-3.1-8B's gate_up norm at one row: paid
         (2, 4096, 2048, False, True),  # Qwen3-1.7B's qkv norm at two rows: paid
         (2, 12288, 2048, False, False),  # its gate_up norm at two rows: lost
