@@ -593,12 +593,13 @@ def qwen3_sweep() -> None:
     force_extend_config(None)
 
 
-def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
+def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192, quick: bool = False) -> None:
     """Extend attention over one long prompt in prefill chunks (Llama-8B heads), as chunked
     prefill runs it: the chunk at prefix P computes `chunk` queries over P + its own keys.
     Launch configurations and the heavy-first block order are timed against the causal FLOPs
     of all chunks; each is checked against the default's output, and the default against the
-    torch reference on the first chunk."""
+    torch reference on the first chunk. `quick`: the default configuration alone (for A/B
+    runs of a kernel change), without the crossover table."""
     chunks = [
         (prefix, *extend_problem("llama-8b", [prefix], [chunk], prefix))
         for prefix in range(0, prompt_len, chunk)
@@ -629,7 +630,7 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
             (128, 32, 8, 3),
         ]
     ]
-    for config in configs:
+    for config in configs[:1] if quick else configs:
         force_extend_config(config)
         try:
             times = []
@@ -648,6 +649,8 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192) -> None:
         except Exception as e:  # e.g. out of shared memory
             print(f"  {config}: {type(e).__name__}", flush=True)
     force_extend_config(None)
+    if quick:
+        return
 
     print("\n== where the long configuration starts: 8192 tokens of prompts of E tokens each ==", flush=True)
     for extend in (512, 1024, 1536, 2048, 4096):
@@ -813,7 +816,7 @@ def main() -> None:
     )
     start = time.time()
     if opts.extend_long:
-        extend_long_sweep()
+        extend_long_sweep(quick=opts.quick)
         if failures:
             print("FAILURES:", *failures, sep="\n  ")
             sys.exit(1)
