@@ -30,6 +30,8 @@ _HALF = (torch.bfloat16, torch.float16)
 # "auto" (the default) folds them where gemv.prologue_pays, "on" wherever gemv takes the product,
 # "off" never (the last two for A/B runs).
 _GEMV_PROLOGUE = os.environ.get("MINFER_GEMV_PROLOGUE", "auto")
+if _GEMV_PROLOGUE not in ("auto", "on", "off"):
+    raise ValueError(f"MINFER_GEMV_PROLOGUE={_GEMV_PROLOGUE!r}: expected auto, on or off")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
