@@ -1,12 +1,14 @@
 """A decode step's per-request vectors, staged to the device in one copy.
 
-A decode step needs five small vectors on the device: each request's page-table row, the
+A decode step needs a few small vectors on the device: each request's page-table row, the
 sequence length after the step (with the rows, the attention metadata), the position of its new
-token, the KV slot that token's K/V goes to, and the position its sampled token lands at (where
-the token table and the sampler's noise read it). They are all known on the host before the
-step starts, so they travel as one [5, width] int64 copy instead of four (each a pinned staging
-plus a copy of a few dozen bytes, tens of microseconds of host time; at batch 1 the host's work
-is what bounds the step: docs/PERFORMANCE.md, section 20).
+token, the KV slot that token's K/V goes to, the position its sampled token lands at (the
+sampler's noise reads it), and where in the flattened token table the input token is read and
+the sampled one written. They are all known on the host before the step starts, so they travel
+as one [7, width] int64 copy instead of four (each a pinned staging plus a copy of a few dozen
+bytes, tens of microseconds of host time; at batch 1 the host's work is what bounds the step:
+docs/PERFORMANCE.md, section 20), and the table indices need no arithmetic on the device (five
+launches fewer a step).
 
 When the step replays a CUDA graph, `width` is the graph's padded batch size and the padding
 columns hold what its padding rows need (the padding page-table row, sequence length 1, the
@@ -22,6 +24,7 @@ import torch
 
 from minfer.core import Req
 from minfer.device import to_device
+from minfer.kvcache.page_table import PageTable
 
 
 @dataclass
@@ -32,25 +35,41 @@ class DecodeInputs:
     seq_lens: torch.Tensor  # [width] its length after this step
     positions: torch.Tensor  # [width] the position of its new token (its cached length)
     out_loc: torch.Tensor  # [width] the KV slot of that token
+    input_at: torch.Tensor  # [width] that token's index in the flattened token table
     sampled_at: torch.Tensor  # [n] the position of the token it samples (its device_len)
+    sampled_to: torch.Tensor  # [n] that position's index in the flattened token table
 
 
 def stage_decode_inputs(
-    reqs: list[Req], out_loc: list[int], width: int, padding_row: int, scratch_slot: int, device: torch.device
+    reqs: list[Req],
+    out_loc: list[int],
+    width: int,
+    page_table: PageTable,
+    scratch_slot: int,
+    device: torch.device,
 ) -> DecodeInputs:
     """The step's vectors for `reqs` (a decode batch, in its order) padded to `width` columns."""
     n = len(reqs)
     pad = width - n
+    rows = [r.table_idx for r in reqs]
     positions = [r.cached_len for r in reqs]
+    sampled_at = [r.device_len for r in reqs]
+    flat = page_table.flat_index
+    padding_row = page_table.padding_row
     staged = to_device(
         [
-            [r.table_idx for r in reqs] + [padding_row] * pad,
+            rows + [padding_row] * pad,
             [p + 1 for p in positions] + [1] * pad,
             positions + [0] * pad,
             list(out_loc) + [scratch_slot] * pad,
-            [r.device_len for r in reqs] + [0] * pad,
+            list(map(flat, rows, positions)) + [flat(padding_row, 0)] * pad,
+            sampled_at + [0] * pad,
+            list(map(flat, rows, sampled_at)) + [0] * pad,
         ],
         torch.int64,
         device,
     )
-    return DecodeInputs(n, staged[:2], staged[0], staged[1], staged[2], staged[3], staged[4, :n])
+    table_idx, seq_lens, positions_d, out_loc_d, input_at, sampled_at_d, sampled_to = staged
+    return DecodeInputs(
+        n, staged[:2], table_idx, seq_lens, positions_d, out_loc_d, input_at, sampled_at_d[:n], sampled_to[:n]
+    )

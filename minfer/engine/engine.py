@@ -245,16 +245,19 @@ class Engine:
         step = None
         if is_decode:
             width = self.graphs.padded_size(len(reqs)) if graphed else len(reqs)
-            pad_row, scratch = self.page_table.padding_row, self.kv_pool.scratch_slot
-            step = stage_decode_inputs(reqs, batch.out_loc, width, pad_row, scratch, self.device)
-            rows_d, positions_d, out_loc = step.table_idx, step.positions, step.out_loc
+            scratch = self.kv_pool.scratch_slot
+            step = stage_decode_inputs(reqs, batch.out_loc, width, self.page_table, scratch, self.device)
+            positions_d, out_loc = step.positions, step.out_loc
+            input_ids = self.page_table.tokens_at(step.input_at)  # int32: the graph's copy widens it
+            if not graphed:
+                input_ids = input_ids.long()
         else:
             rows, positions = runs_of_positions(table_idx, prefix_lens, batch.extend_lens)
             slots = torch.as_tensor(batch.out_loc, dtype=torch.int64)
             rows_d, positions_d, out_loc = to_device(
                 torch.stack([rows, positions, slots]), torch.int64, self.device
             )
-        input_ids = self.page_table.gather_tokens(rows_d, positions_d)
+            input_ids = self.page_table.gather_tokens(rows_d, positions_d)
         sampled_rows = [i for i, s in enumerate(batch.sample_mask) if s]
         prompt_spans = [] if is_decode else prompt_logprob_spans(batch)
         prompt_logprobs = None
@@ -300,12 +303,12 @@ class Engine:
             # The sampled token becomes known on the device at position device_len, where the
             # next decode step's input gather finds it without a trip through the CPU.
             if sampled_at is not None:
-                where = step.table_idx[: step.n], sampled_at
+                self.page_table.scatter_tokens_at(step.sampled_to, next_tokens)
             else:
                 where = to_device(
                     [[r.table_idx for r in chosen], [r.device_len for r in chosen]], torch.int64, self.device
                 )
-            self.page_table.scatter_tokens(where[0], where[1], next_tokens)
+                self.page_table.scatter_tokens(where[0], where[1], next_tokens)
         result = ForwardResult(
             next_tokens,
             sampled_rows,

@@ -106,7 +106,18 @@ class PageTable:
         return self.tokens.view(-1).index_select(0, rows * self.max_len + positions).long()
 
     def scatter_tokens(self, rows: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> None:
-        self.tokens.view(-1).index_copy_(0, rows * self.max_len + positions, token_ids.to(torch.int32))
+        self.scatter_tokens_at(rows * self.max_len + positions, token_ids)
+
+    def flat_index(self, row: int, position: int) -> int:
+        """The index of (row, position) in a flattened table (`tokens_at`, `scatter_tokens_at`)."""
+        return row * self.max_len + position
+
+    def tokens_at(self, flat: torch.Tensor) -> torch.Tensor:
+        """Token ids at flat indices (a device int64 tensor), as stored (int32)."""
+        return self.tokens.view(-1).index_select(0, flat)
+
+    def scatter_tokens_at(self, flat: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.tokens.view(-1).index_copy_(0, flat, token_ids.to(torch.int32))
 
     def row_slots(self, row: int, length: int) -> torch.Tensor:
         return self.slots_cpu[row, :length]
