@@ -5,6 +5,7 @@ each then fit on one SM.
     python3 scripts/kernel_registers.py                 # decode and extend, uncapped
     python3 scripts/kernel_registers.py --caps 168 128  # also with those register caps (maxnreg)
     python3 scripts/kernel_registers.py --gemv          # gemv at the decode shapes instead
+    python3 scripts/kernel_registers.py --ops "long"    # and the SASS instruction mix of those
 
 Why: on the GPU, whether a launch fits 2 or 3 programs per SM decided the fp8 decode kernel's
 speed (docs/BENCHMARKS.md, eighth session), and that is fixed at compile time. ptxas ships with
@@ -20,6 +21,7 @@ Triton 3.9 compiles the same source to other counts (fp8 255 registers with spil
 from __future__ import annotations
 
 import argparse
+import collections
 import inspect
 import os
 import re
@@ -67,9 +69,10 @@ def arg_type(name: str, pool: str) -> str:
 
 
 def compile_for_h200(kernel, pool: str, constexprs: dict, num_warps: int, num_stages: int, cap: int | None):
-    """(registers, spill stack bytes, shared bytes). Pointers and strides are marked divisible by
-    16, as Triton's launcher specializes them on the device (pool strides are multiples of the
-    head dim); without that the loads are not pipelined and the counts are another kernel's."""
+    """(registers, spill stack bytes, shared bytes, the SASS). Pointers and strides are marked
+    divisible by 16, as Triton's launcher specializes them on the device (pool strides are
+    multiples of the head dim); without that the loads are not pipelined and the counts are
+    another kernel's."""
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {n: "constexpr" if n in constexprs else arg_type(n, pool) for n in names}
     attrs = {
@@ -90,8 +93,23 @@ def compile_for_h200(kernel, pool: str, constexprs: dict, num_warps: int, num_st
         usage = subprocess.run(
             [tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True
         ).stdout
+        sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+)\s+STACK:(\d+)", usage)
-    return int(found.group(1)), int(found.group(2)), compiled.metadata.shared
+    return int(found.group(1)), int(found.group(2)), compiled.metadata.shared, sass
+
+
+# Instruction classes worth counting in an attention or GEMM kernel: tensor-core products, the
+# fp32 arithmetic of the softmax, exp2 (MUFU), and the loads.
+OP_CLASSES = ("HGMMA", "HMMA", "FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "F2FP", "LDGSTS", "LDG", "STG", "BAR")
+
+
+def op_counts(sass: str) -> str:
+    """Static counts of OP_CLASSES in a SASS listing (instructions in the code, not executed)."""
+    ops = collections.Counter(
+        m.group(1).split(".")[0]
+        for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass)
+    )
+    return " ".join(f"{name} {ops[name]}" for name in OP_CLASSES if ops[name]) + f", all {sum(ops.values())}"
 
 
 def programs_per_sm(registers: int, num_warps: int, shared: int) -> int:
@@ -193,6 +211,9 @@ def main() -> None:
     parser.add_argument(
         "--gemv", action="store_true", help="gemv's launches instead of the attention kernels"
     )
+    parser.add_argument(
+        "--ops", metavar="TEXT", help="also print the SASS instruction mix of launches whose name has TEXT"
+    )
     args = parser.parse_args()
     print(f"triton {triton.__version__}, target sm_90 (the device's Triton is 3.6: see the docstring)")
     print("(* the cap the engine launches with)")
@@ -201,13 +222,15 @@ def main() -> None:
     )
     for label, kernel, pool, constexprs, warps, stages, engine_cap in gemv_cases() if args.gemv else cases():
         for cap in dict.fromkeys([None, engine_cap, *args.caps]):
-            registers, spill, shared = compile_for_h200(kernel, pool, constexprs, warps, stages, cap)
+            registers, spill, shared, sass = compile_for_h200(kernel, pool, constexprs, warps, stages, cap)
             mark = "*" if cap == engine_cap else " "
             print(
                 f"{label:32s} {str(cap or '-') + mark:>5s} {registers:9d} {spill:7d} {shared:8d} "
                 f"{programs_per_sm(registers, warps, shared):11d}",
                 flush=True,
             )
+            if args.ops and args.ops in label:
+                print(f"    {op_counts(sass)}", flush=True)
 
 
 if __name__ == "__main__":
