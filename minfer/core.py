@@ -44,6 +44,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[list[float]] = msgspec.field(default_factory=list)
     tokens: list[str] = msgspec.field(default_factory=list)
     top_tokens: list[list[str]] = msgspec.field(default_factory=list)
+    # ranks[i]: how many tokens were at least as likely as token_ids[i] (1: the most likely one;
+    # None where logprobs[i] is)
+    ranks: list[int | None] = msgspec.field(default_factory=list)
 
     def extend(self, other: TokenLogprobs) -> None:
         self.token_ids += other.token_ids
@@ -52,6 +55,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
         self.top_logprobs += other.top_logprobs
         self.tokens += other.tokens
         self.top_tokens += other.top_tokens
+        self.ranks += other.ranks
 
 
 class StructuredOutput(msgspec.Struct, array_like=True):
@@ -146,11 +150,12 @@ class FinishReason(str, Enum):
 
 
 class LogprobRow(NamedTuple):
-    """One scored position: the chosen token's logprob and the top-k alternatives."""
+    """One scored position: the chosen token's logprob and rank, and the top-k alternatives."""
 
     logprob: float
     top_ids: list[int]
     top_logprobs: list[float]
+    rank: int
 
 
 class Phase(str, Enum):

@@ -116,10 +116,10 @@ class ForwardResult:
         host = self._read()[1:]
         sampled, prompt = {}, []
         if self.sampled_logprobs is not None:
-            sampled = dict(zip(self.logprob_rows, rows_of(LogprobTensors(*host[:3]))))
-            host = host[3:]
+            sampled = dict(zip(self.logprob_rows, rows_of(LogprobTensors(*host[:4]))))
+            host = host[4:]
         if self.prompt_logprobs is not None:
-            rows = rows_of(LogprobTensors(*host[:3]))
+            rows = rows_of(LogprobTensors(*host[:4]))
             start = 0
             for index, first, count in self.prompt_spans:
                 prompt.append((index, first, rows[start : start + count]))

@@ -51,7 +51,9 @@ def read_results(
         out = StepOutput(req.uid, token, reason, stop_reason)
         if i in sampled_logprobs:
             row, k = sampled_logprobs[i], req.params.logprobs
-            out.logprobs = TokenLogprobs([token], [row.logprob], [row.top_ids[:k]], [row.top_logprobs[:k]])
+            out.logprobs = TokenLogprobs(
+                [token], [row.logprob], [row.top_ids[:k]], [row.top_logprobs[:k]], ranks=[row.rank]
+            )
         if req.output_len == 1 and req.params.prompt_logprobs is not None:
             out.prompt_logprobs = prompt_logprobs_of(req)
         outputs.append(out)
@@ -75,11 +77,12 @@ def prompt_logprobs_of(req: Req) -> TokenLogprobs:
     """The prompt's logprobs, gathered chunk by chunk during prefill; nothing scores the first token."""
     k = req.params.prompt_logprobs
     scored = req.prompt_logprobs or {}
-    out = TokenLogprobs(list(req.token_ids[: req.prompt_len]), [None], [[]], [[]])
+    out = TokenLogprobs(list(req.token_ids[: req.prompt_len]), [None], [[]], [[]], ranks=[None])
     for position in range(req.prompt_len - 1):
         row = scored[position]
         out.logprobs.append(row.logprob)
         out.top_ids.append(row.top_ids[:k])
         out.top_logprobs.append(row.top_logprobs[:k])
+        out.ranks.append(row.rank)
     req.prompt_logprobs = None
     return out

@@ -54,7 +54,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "bad_words": lambda v: not v,
     "logits_processors": lambda v: not v,
     "truncate_prompt_tokens": lambda v: v is None,
-    "prompt_logprobs": lambda v: v is None,
     "functions": lambda v: not v,  # OpenAI's deprecated form of tools
     "function_call": lambda v: v in (None, "none"),
 }

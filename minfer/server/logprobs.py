@@ -5,9 +5,10 @@ from __future__ import annotations
 from minfer.core import TokenLogprobs
 
 
-def completion_logprobs(parts: list[TokenLogprobs], offset: int = 0) -> tuple[dict, int]:
-    """OpenAI's completions `logprobs` object over consecutive tokens; text offsets start at
-    `offset` (the characters before the first token). Returns it and the offset after it."""
+def completion_logprobs(parts: list[TokenLogprobs], k: int, offset: int = 0) -> tuple[dict, int]:
+    """OpenAI's completions `logprobs` object over consecutive tokens with k alternatives each
+    (the prompt's may hold more, for prompt_logprobs); text offsets start at `offset` (the
+    characters before the first token). Returns it and the offset after it."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for part in parts:
         for i, text in enumerate(part.tokens):
@@ -16,7 +17,7 @@ def completion_logprobs(parts: list[TokenLogprobs], offset: int = 0) -> tuple[di
             if part.logprobs[i] is None:  # the prompt's first token: nothing predicts it
                 top_logprobs.append(None)
             else:  # the chosen token too, as vLLM does, so a sampled unlikely token is visible
-                top = dict(zip(part.top_tokens[i], part.top_logprobs[i]))
+                top = dict(zip(part.top_tokens[i][:k], part.top_logprobs[i][:k]))
                 top.setdefault(text, part.logprobs[i])
                 top_logprobs.append(top)
             text_offset.append(offset)
@@ -66,3 +67,23 @@ def sglang_logprobs(lp: TokenLogprobs, start: int, with_text: bool) -> tuple[lis
             ]
         )
     return tokens, tops
+
+
+def vllm_prompt_logprobs(lp: TokenLogprobs, k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None for the first (nothing predicts it), else
+    {token id: {logprob, rank, decoded_token}} for the prompt's token (its rank in the whole
+    vocabulary) and then the k most likely tokens (ranks 1 to k) where they are other tokens."""
+    out: list[dict | None] = [None]
+    for i in range(1, len(lp.token_ids)):
+        entry = {
+            str(lp.token_ids[i]): {
+                "logprob": lp.logprobs[i],
+                "rank": lp.ranks[i],
+                "decoded_token": lp.tokens[i],
+            }
+        }
+        alternatives = zip(lp.top_ids[i][:k], lp.top_logprobs[i][:k], lp.top_tokens[i][:k])
+        for rank, (token_id, logprob, text) in enumerate(alternatives, 1):
+            entry.setdefault(str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": text})
+        out.append(entry)
+    return out

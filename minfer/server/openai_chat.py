@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from minfer.ipc import messages as m
 from minfer.server.driver import Choice, Driver, Job, usage
 from minfer.server.errors import ERROR_RESPONSES
-from minfer.server.logprobs import chat_logprobs
+from minfer.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from minfer.server.protocol import ChatCompletionRequest
 from minfer.server.reasoning import ReasoningStream, split_reasoning
 from minfer.server.state import ServerState, server_state
@@ -55,9 +55,14 @@ class ChatShape:
         return msg, reason
 
     def build(self, choices: dict[int, Choice]) -> dict:
+        extra = {}
+        first = choices[min(choices)].prompt_logprobs if choices else None
+        if self.body.prompt_logprobs is not None and first is not None:  # one prompt: vLLM's top-level field
+            extra["prompt_logprobs"] = vllm_prompt_logprobs(first, self.body.prompt_logprobs)
         return {
             **self.base,
             "object": "chat.completion",
+            **extra,
             "choices": [
                 {
                     "index": i,

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from minfer.ipc import messages as m
 from minfer.server.driver import Choice, Driver, Job, usage
 from minfer.server.errors import ERROR_RESPONSES
-from minfer.server.logprobs import completion_logprobs
+from minfer.server.logprobs import completion_logprobs, vllm_prompt_logprobs
 from minfer.server.protocol import CompletionRequest
 from minfer.server.state import ServerState, server_state
 
@@ -33,7 +33,12 @@ class CompletionShape:
             if not self.want_logprobs:
                 return None
             parts = [c.prompt_logprobs, c.logprobs] if body.echo and c.prompt_logprobs else [c.logprobs]
-            return completion_logprobs(parts)[0]
+            return completion_logprobs(parts, body.logprobs)[0]
+
+        def prompt_logprobs(c: Choice) -> dict:
+            if body.prompt_logprobs is None or c.prompt_logprobs is None:
+                return {}
+            return {"prompt_logprobs": vllm_prompt_logprobs(c.prompt_logprobs, body.prompt_logprobs)}
 
         return {
             **self.base,
@@ -44,6 +49,7 @@ class CompletionShape:
                     "logprobs": logprobs(c),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
+                    **prompt_logprobs(c),
                 }
                 for i, c in sorted(choices.items())
             ],
@@ -64,7 +70,9 @@ class CompletionShape:
             return None
         logprobs = None
         if self.want_logprobs:
-            logprobs, self.offsets[index] = completion_logprobs(parts, self.offsets.get(index, 0))
+            logprobs, self.offsets[index] = completion_logprobs(
+                parts, body.logprobs, self.offsets.get(index, 0)
+            )
         chunk = {
             **self.base,
             "choices": [

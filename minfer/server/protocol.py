@@ -105,6 +105,9 @@ class OpenAISamplingFields(ConstraintFields):
     logit_bias: LogitBias | None = None
     user: str | None = None
     timeout: Timeout | None = None  # seconds; then the request is aborted (finish_reason "abort")
+    # vLLM's: the prompt tokens' log-probabilities with this many alternatives each, in the
+    # answer's `prompt_logprobs` (server/logprobs.vllm_prompt_logprobs); not with stream (vLLM's rule)
+    prompt_logprobs: Int | None = None
 
     def max_new_tokens(self) -> int | None:
         return None
@@ -115,6 +118,8 @@ class OpenAISamplingFields(ConstraintFields):
 
     def sampling_params(self) -> tuple[SamplingParams, bool]:
         refuse_unsupported(self.model_extra, UNSUPPORTED_FIELDS)
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs is not available with stream", "prompt_logprobs")
         logprobs, prompt_logprobs = self.logprob_counts()
         return to_sampling_params(
             {
@@ -164,7 +169,9 @@ class CompletionRequest(OpenAISamplingFields):
         return self.max_tokens
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
-        return self.logprobs, self.logprobs if self.echo else None
+        # the prompt's alternatives serve both echo's logprobs and prompt_logprobs: the larger count
+        counts = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        return self.logprobs, max(counts, default=None)
 
     def check_supported(self) -> None:
         if self.suffix:
@@ -279,7 +286,7 @@ class ChatCompletionRequest(OpenAISamplingFields):
     def logprob_counts(self) -> tuple[int | None, int | None]:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-        return (self.top_logprobs or 0) if self.logprobs else None, None
+        return (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs
 
     def check_supported(self) -> None:
         try:

@@ -90,6 +90,80 @@ def test_completion_echo_logprobs_equal_transformers(server, reference):
     assert plain["text"] == choice["text"][len(PROMPT) :]
 
 
+def check_prompt_logprobs(entries: list, ids: list[int], ref: torch.Tensor, k: int) -> None:
+    """vLLM's prompt_logprobs of prompt `ids` against transformers' log-softmax rows `ref`: the
+    prompt token's logprob and rank (tokens within float noise of it may count either way), then
+    the k most likely with ranks 1..k."""
+    tol = 2e-4
+    assert len(entries) == len(ids) and entries[0] is None
+    for i, entry in enumerate(entries[1:]):
+        row, token = ref[i], ids[i + 1]
+        first = next(iter(entry))
+        assert first == str(token)  # the prompt's token first, as vLLM puts it
+        value = entry[first]["logprob"]
+        assert math.isclose(value, row[token].item(), abs_tol=tol)
+        # the rank counts tokens at least as likely; the two float32 paths agree to ~1e-6 here
+        near = 1e-5
+        assert int((row > value + near).sum()) + 1 <= entry[first]["rank"] <= int((row >= value - near).sum())
+        assert isinstance(entry[first]["decoded_token"], str)
+        others = {t: e for t, e in entry.items() if t != first}
+        top = row.topk(k)
+        assert len(entry) in (k, k + 1)
+        for rank, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+            if str(t) in others:
+                assert others[str(t)]["rank"] == rank and math.isclose(
+                    others[str(t)]["logprob"], v, abs_tol=tol
+                )
+
+
+def test_vllm_prompt_logprobs_equal_transformers(server, reference):
+    """vLLM's prompt_logprobs through the real openai client (an extra body field), completions
+    with and without echo (the prompt's alternatives serve both counts) and chat."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    ids = prompt_ids(server, PROMPT)
+    ref = reference(ids)
+    for extra in ({}, {"echo": True, "logprobs": 1}):
+        resp = client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=2,
+            temperature=0,
+            extra_body={"prompt_logprobs": 3, **extra},
+        )
+        choice = resp.choices[0].model_dump()
+        check_prompt_logprobs(choice["prompt_logprobs"], ids, ref, 3)
+        if extra:  # echo's own lists keep their count of alternatives
+            assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1 : len(ids)])
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )
+    chat_ids = server.post(
+        "/tokenize", {"messages": [{"role": "user", "content": "Hello"}], "add_generation_prompt": True}
+    ).json()["tokens"]
+    check_prompt_logprobs(chat.model_dump()["prompt_logprobs"], chat_ids, reference(chat_ids), 0)
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    assert "prompt_logprobs" not in plain.model_dump()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"prompt_logprobs": 2, "stream": True}, "not available with stream"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs must be in"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be in"),
+        ({"echo": True, "logprobs": 30, "prompt_logprobs": 1}, "must be in"),
+    ],
+)
+def test_vllm_prompt_logprobs_refusals(server, extra, message):
+    resp = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1, **extra})
+    assert resp.status_code == 400 and message in resp.json()["error"]["message"], resp.text
+
+
 def test_completion_logprobs_stream(server):
     body = {"prompt": PROMPT, "max_tokens": 6, "logprobs": 2, "stream": True, **GREEDY}
     resp = server.post("/v1/completions", body)
