@@ -20,27 +20,22 @@ exactly), and a cache that cannot be written only costs the time.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import json
 import logging
 import math
-import os
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from minfer.models.gguf_cache import cache_dir, publish
 from minfer.models.gguf_moe import MOE_ARCHITECTURES, MOE_LAYER_NAMES, MOE_MODEL_TYPES, moe_architecture
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # bump when the conversion changes, so stale copies are not reused
 CACHE_MAX_WEIGHT_BYTES = 4 << 30  # float32 copies of larger models would cost more disk than they save time
 
 # GGUF `general.architecture` -> Hugging Face architecture. Mistral files say `llama` (llama.cpp
@@ -88,7 +83,7 @@ def gguf_config(path: str):
 
         config = _config_from_reader(GGUFReader(path))
         config.name_or_path = path
-        if not _publish(cache, "config", config.save_pretrained):
+        if not publish(cache, "config", config.save_pretrained):
             return config
     from transformers import AutoConfig
 
@@ -120,7 +115,7 @@ def gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     start = time.perf_counter()
     weights = dict(_convert_weights(reader))
     seconds = time.perf_counter() - start
-    if _publish(cache_dir(path), "weights", partial(_write_safetensors, weights)):
+    if publish(cache_dir(path), "weights", partial(_write_safetensors, weights)):
         log.info(
             "converted GGUF weights of %s in %.1f s and cached them as float32 (%.0f MiB) at %s",
             path,
@@ -132,30 +127,6 @@ def gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, weights.pop(name)
 
 
-def gguf_tokenizer(path: str):
-    """The file's tokenizer, with its chat template, as a transformers tokenizer."""
-    from transformers import AutoTokenizer
-
-    cache = cache_dir(path)
-    if not (cache / "tokenizer").exists():
-        start = time.perf_counter()
-        tokenizer = AutoTokenizer.from_pretrained(
-            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
-        )
-        tokenizer.name_or_path = path
-        if not _publish(cache, "tokenizer", tokenizer.save_pretrained):
-            return tokenizer
-        log.info(
-            "built the tokenizer of %s in %.1f s and cached it at %s",
-            path,
-            time.perf_counter() - start,
-            cache / "tokenizer",
-        )
-    tokenizer = AutoTokenizer.from_pretrained(cache / "tokenizer")
-    tokenizer.name_or_path = path
-    return tokenizer
-
-
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K permutation. Its converter reorders each head's rows from
     [first half | second half] to [h0, h0', h1, h1', ...] (pairs interleaved); this puts the
@@ -163,16 +134,6 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     rest = weight.shape[1:]
     head_dim = weight.shape[0] // num_heads
     return weight.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
-
-
-def cache_dir(path: str) -> Path:
-    """Where the converted copy of this GGUF file lives (it may not exist yet)."""
-    stat = os.stat(path)
-    # A newer transformers or gguf may convert differently (tokenizers above all): start afresh.
-    versions = [CACHE_VERSION, importlib.metadata.version("transformers"), importlib.metadata.version("gguf")]
-    key = "\0".join(map(str, [*versions, os.path.abspath(path), stat.st_size, stat.st_mtime_ns]))
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "minfer" / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 # ---- conversion ---------------------------------------------------------------------------
@@ -312,26 +273,6 @@ def _convert_weights(reader) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ---- cache --------------------------------------------------------------------------------
-
-
-def _publish(cache: Path, entry: str, write: Callable[[Path], None]) -> bool:
-    """Write `cache/entry/` through a temporary sibling and one rename, so a concurrent reader
-    (another TP rank) sees all of it or nothing. False when the cache cannot be written."""
-    tmp = None
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache, prefix=f".{entry}-"))
-        write(tmp)
-        os.rename(tmp, cache / entry)
-        return True
-    except OSError as e:
-        if (cache / entry).exists():  # another process published it first
-            return True
-        log.warning("cannot cache converted GGUF %s at %s: %s", entry, cache, e)
-        return False
-    finally:
-        if tmp is not None and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_safetensors(weights: dict[str, torch.Tensor], directory: Path) -> None:

@@ -28,10 +28,9 @@ from minfer.models.gguf import (
     _architecture,
     _field,
     _hf_name,
-    _publish,
-    cache_dir,
     unpermute_qk,
 )
+from minfer.models.gguf_cache import cache_dir, publish
 
 CACHE_ENTRY = "blocks-v1"  # bump the suffix when the layout below changes
 _PARTS = ("codes", "scales", "mins")
@@ -95,7 +94,7 @@ def gguf_blocks(path: str) -> dict[str, GGUFBlocks]:
     if cached.exists():
         return _read_cache(cached)
     found = _read_file(path)
-    _publish(cache_dir(path), CACHE_ENTRY, partial(_write_cache, found))
+    publish(cache_dir(path), CACHE_ENTRY, partial(_write_cache, found))
     return found
 
 

@@ -23,6 +23,7 @@ from minfer.models.source import (  # noqa: F401 (re-exported: callers find a mo
     read_chat_template,
     resolve_model,
 )
+from minfer.models.tokenizer_files import load_tokenizer  # noqa: F401 (re-exported, as below)
 
 log = logging.getLogger(__name__)
 
@@ -185,31 +186,6 @@ def build_model(
     quantize_model(model, method, source.path if source.load_format == "gguf" else None)
     model.eval()
     return model
-
-
-def load_tokenizer(source: ModelSource):
-    """The model's tokenizer (or `source.tokenizer_path`'s) with `source.chat_template` in place
-    of its own when given; None for shipped dummy shapes and directories without one."""
-    tokenizer = _read_tokenizer(source.tokenizer_path or source.path, source)
-    if tokenizer is not None and source.chat_template is not None:
-        tokenizer.chat_template = source.chat_template
-    return tokenizer
-
-
-def _read_tokenizer(path: str, source: ModelSource):
-    if source.tokenizer_path is None and source.load_format == "dummy" and str(SHIPPED_CONFIGS) in path:
-        return None
-    from transformers import AutoTokenizer
-
-    if path.endswith(".gguf"):
-        from minfer.models.gguf import gguf_tokenizer
-
-        return gguf_tokenizer(path)
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any(os.path.exists(os.path.join(path, f)) for f in tokenizer_files):
-        log.warning("%s has no tokenizer files: prompts must be token ids", path)
-        return None
-    return AutoTokenizer.from_pretrained(path)
 
 
 def eos_token_ids(hf_config, tokenizer) -> frozenset[int]:

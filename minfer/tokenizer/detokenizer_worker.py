@@ -163,7 +163,7 @@ def run_detokenizer_worker(config: EngineConfig, endpoints: Endpoints, parent_pi
     sock = inbox(ctx, endpoints.detokenizer)
     to_scheduler, to_api = outbox(ctx, endpoints.scheduler), outbox(ctx, endpoints.api)
     try:
-        tokenizer = load_model_tokenizer(config)
+        tokenizer = load_model_tokenizer(config, without_torch=True)
     except Exception as e:
         log.exception("detokenizer failed to load the tokenizer")
         fail_start(to_api, "detokenizer", e)

@@ -10,15 +10,29 @@ same three front ends share.
 
 from __future__ import annotations
 
+import os
+import sys
+
 from minfer.config import EngineConfig
 from minfer.core import InvalidRequestError
 from minfer.tokenizer.prompt_limits import PromptMeter, text_bytes
 
 
-def load_model_tokenizer(config: EngineConfig):
-    from minfer.models.loader import load_tokenizer, model_source
+def load_model_tokenizer(config: EngineConfig, without_torch: bool = False):
+    """The model's tokenizer. `without_torch`, for the tokenizer and detokenizer processes,
+    which never run a model: torch is made to look absent to transformers, which otherwise
+    imports it with any tokenizer (transformers 5: configuration_utils -> modeling_rope_utils),
+    ~0.9 s of CPU at each start of each process. Not where torch is imported already, nor where
+    a GGUF file's tokenizer is still to be converted (transformers' GGUF reader needs torch)."""
+    # not through models/loader, which imports torch
+    from minfer.models.source import model_source
+    from minfer.models.tokenizer_files import load_tokenizer, tokenizer_needs_torch
 
-    return load_tokenizer(model_source(config))
+    source = model_source(config)
+    if without_torch and "torch" not in sys.modules and not tokenizer_needs_torch(source):
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its "PyTorch was not found"
+        sys.modules["torch"] = None  # an import of torch now fails at once, loudly
+    return load_tokenizer(source)
 
 
 # apply_chat_template's own arguments: chat_template_kwargs may not set them (they would clash

@@ -157,7 +157,7 @@ def run_tokenizer_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
     sock = inbox(ctx, endpoints.tokenizer)
     to_scheduler, to_api = outbox(ctx, endpoints.scheduler), outbox(ctx, endpoints.api)
     try:
-        tokenizer = load_model_tokenizer(config)
+        tokenizer = load_model_tokenizer(config, without_torch=True)
     except Exception as e:
         log.exception("tokenizer failed to load")
         fail_start(to_api, "tokenizer", e)

