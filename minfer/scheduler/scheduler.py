@@ -193,7 +193,27 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
-        return self.prefill.plan() or self.decode.plan()
+        batch = self.prefill.plan() or self.decode.plan()
+        if batch is None and self._prefill_stalled():
+            # Half-prefilled requests can hold the whole pool between them: an admission counts
+            # a request's next chunk only in the plan that admits it, and one whose host-tier load
+            # was still in flight takes its pages in a later plan, after others took them. With
+            # nothing running to preempt (decode.py) nothing would ever move: the newest one goes
+            # back to the queue, its KV to the prefix cache, and the rest continue.
+            self.decode.preempt(self.queues.prefilling[-1])
+            batch = self.prefill.plan()
+        return batch
+
+    def _prefill_stalled(self) -> bool:
+        """No pass can be planned, none is in flight to end, no host-tier load is still to land,
+        and more than one request is half-prefilled: they are waiting for each other's pages."""
+        q = self.queues
+        return (
+            len(q.prefilling) > 1
+            and not self.in_flight
+            and not q.running
+            and all(self.kv.load_ready(r) for r in q.prefilling)
+        )
 
     @property
     def overlap(self) -> bool:

@@ -14,6 +14,9 @@ from hypothesis import strategies as st
 from minfer import LLM, SamplingParams
 
 MAX_TOKENS = 8
+# Far more steps than any example needs (a few hundred at most): more means the scheduler livelocked
+# (half-prefilled requests holding the pool between them: Scheduler._prefill_stalled).
+MAX_STEPS_TO_FINISH = 5000
 SYSTEMS = [[(17 * i + k) % 256 for i in range(24)] for k in (1, 2)]  # shared heads: prefix hits
 PROMPTS = [
     SYSTEMS[k % 2][: 12 + 4 * (k % 4)] + [(k * 29 + j) % 256 for j in range(2 + 5 * k)] for k in range(6)
@@ -117,8 +120,13 @@ def test_random_ops_keep_both_tiers_exact(model_path, monkeypatch, policy, optio
         else:
             cache.evict_host(op[1])
         sched.check_invariants()
-    while sched.has_work:
+    for _ in range(MAX_STEPS_TO_FINISH):  # a livelock fails here, rather than hanging the suite
+        if not sched.has_work:
+            break
         sched.step()
+    else:
+        stuck = [(r.uid, r.cached_len, r.device_len) for r in sched.by_uid.values()]
+        raise AssertionError(f"no progress in {MAX_STEPS_TO_FINISH} steps: (uid, cached, known) {stuck}")
     sched.check_invariants()
     for uid, (req, idx, max_tokens) in live.items():
         if uid in aborted:
