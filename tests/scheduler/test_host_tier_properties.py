@@ -75,6 +75,39 @@ engine_options = st.fixed_dictionaries(
     ops=st.lists(st.one_of(add, add, add, step, step, abort, evict, evict), min_size=8, max_size=40),
 )
 def test_random_ops_keep_both_tiers_exact(model_path, monkeypatch, policy, options, ops):
+    run_ops(model_path, monkeypatch, policy, options, ops)
+
+
+# An example hypothesis found in a CI run (2026-12-04): two half-prefilled requests, admitted with
+# host-tier loads in flight, held the pool between them with nothing running to preempt, and the
+# scheduler planned nothing forever (Scheduler._prefill_stalled now breaks it).
+LIVELOCK_OPTIONS = {
+    "deferred_loads": "wait",
+    "chunked_prefill_size": 64,
+    "page_size": 4,
+    "host_kv_cache_gb": 512 * 512 / (1 << 30),
+    "kv_cache_tokens": 64,
+    "disable_overlap_schedule": True,
+}
+LIVELOCK_OPS = [
+    ("abort", 527), ("abort", 999), ("add", 4, 8, 1), ("step", 2), ("evict_host", 2), ("step", 1),
+    ("step", 1), ("evict", 11), ("evict", 13), ("step", 1), ("step", 3), ("abort", 289), ("step", 3),
+    ("step", 4), ("abort_in_flight", 29), ("add", 5, 8, 1), ("abort_in_flight", 258),
+    ("evict_host", 14), ("step", 3), ("evict_host", 7), ("abort_in_flight", 143), ("step", 4),
+    ("add", 0, 3, 2), ("evict_host", 4), ("evict", 14), ("evict_host", 12), ("add", 3, 6, 1),
+    ("abort_in_flight", 313), ("step", 2), ("step", 3), ("evict_host", 6), ("abort_in_flight", 39),
+    ("add", 4, 7, 2), ("add", 5, 8, 1), ("evict_host", 15), ("evict", 7), ("abort_in_flight", 599),
+    ("step", 2), ("add", 3, 7, 1), ("evict", 12),
+]  # fmt: skip
+
+
+def test_half_prefilled_requests_holding_the_pool_do_not_livelock(model_path, monkeypatch):
+    run_ops(model_path, monkeypatch, "write_back", LIVELOCK_OPTIONS, LIVELOCK_OPS)
+
+
+def run_ops(model_path, monkeypatch, policy, options, ops):
+    """Apply `ops` to an engine with the host tier on, checking the invariants after each, then
+    run to the end and compare every greedy output with its prompt's alone."""
     from deferred_load_tier import use_deferred_loads
 
     import minfer.scheduler.scheduler as scheduler_module
