@@ -30,14 +30,22 @@ from minfer.kvcache.page_table import PageTable
 @dataclass
 class DecodeInputs:
     n: int  # the requests of the step; columns past it are the graph's padding
-    meta: torch.Tensor  # [2, width]: rows 0-1 below, the decode graph's attention metadata
-    table_idx: torch.Tensor  # [width] each request's page-table row
-    seq_lens: torch.Tensor  # [width] its length after this step
+    # [2, width]: each request's page-table row and its length after this step, the decode
+    # graph's attention metadata (table_idx and seq_lens below)
+    meta: torch.Tensor
     positions: torch.Tensor  # [width] the position of its new token (its cached length)
     out_loc: torch.Tensor  # [width] the KV slot of that token
     input_at: torch.Tensor  # [width] that token's index in the flattened token table
     sampled_at: torch.Tensor  # [n] the position of the token it samples (its device_len)
     sampled_to: torch.Tensor  # [n] that position's index in the flattened token table
+
+    @property
+    def table_idx(self) -> torch.Tensor:
+        return self.meta[0]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.meta[1]
 
 
 def stage_decode_inputs(
@@ -69,7 +77,5 @@ def stage_decode_inputs(
         torch.int64,
         device,
     )
-    table_idx, seq_lens, positions_d, out_loc_d, input_at, sampled_at_d, sampled_to = staged
-    return DecodeInputs(
-        n, staged[:2], table_idx, seq_lens, positions_d, out_loc_d, input_at, sampled_at_d[:n], sampled_to[:n]
-    )
+    positions_d, out_loc_d, input_at, sampled_at_d, sampled_to = staged[2:]
+    return DecodeInputs(n, staged[:2], positions_d, out_loc_d, input_at, sampled_at_d[:n], sampled_to[:n])

@@ -141,14 +141,18 @@ class KVManager:
         prefix still in flight keeps it out (it waits, the rest of the batch runs: the CPU never
         blocks) unless the load is expected to land within LOAD_JOIN_MAX_WAIT_S; then the
         request may run, and `claim_load` orders the pass after the copy on the GPU."""
+        if self.load_allows_run(req):
+            return True
+        self.host_tier.counters.load_waits += 1
+        return False
+
+    def load_allows_run(self, req: Req) -> bool:
+        """load_ready's answer without counting a wait (for checks beside the planning)."""
         load = self.loads.get(req.uid)
         if load is None:
             return True
         tier = self.host_tier
-        if tier.done(load) or tier.expected_wait(load) <= LOAD_JOIN_MAX_WAIT_S:
-            return True
-        tier.counters.load_waits += 1
-        return False
+        return tier.done(load) or tier.expected_wait(load) <= LOAD_JOIN_MAX_WAIT_S
 
     def claim_load(self, req: Req) -> None:
         """`req` (load_ready) runs in the pass being planned: if its load is still in flight,

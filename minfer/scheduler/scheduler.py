@@ -212,7 +212,7 @@ class Scheduler:
             len(q.prefilling) > 1
             and not self.in_flight
             and not q.running
-            and all(self.kv.load_ready(r) for r in q.prefilling)
+            and all(self.kv.load_allows_run(r) for r in q.prefilling)
         )
 
     @property
