@@ -9,7 +9,8 @@ Two measurements, both replayed from CUDA graphs (what the engine's decode steps
    residual, gate_up, SiLU-and-multiply, down. Small GEMMs through gemm.linear, through gemv without
    programmatic dependent launch, with PDL releasing the gemv early, with every launch chained
    (MINFER_PDL's default at <= 2 rows), and with each of the two norms and the SiLU folded into
-   gemv's prologues, one at a time, both norms, and all three; the variant gemv.prologue_pays picks is marked.
+   gemv's prologues, one at a time, both norms, and all three, and with the SiLU as gate_up's
+   epilogue instead (gemv.gate_up_gemv); the variant the engine picks is marked.
    Prints us per layer and checks every variant's output against the first.
 
 Run from the repository root on the GPU host:
@@ -135,14 +136,17 @@ CHAINS = {
     "qwen3-1.7b": (2048, 6144, 4096, 2048, 28),
     "llama-8b": (4096, 14336, 6144, 4096, 8),
 }
-# Which of a layer's three prologues fold (qkv's norm, gate_up's norm, down's SiLU), by name.
+# Which of a layer's three prologues fold (qkv's norm, gate_up's norm, down's SiLU) and whether
+# the SiLU is gate_up's epilogue instead (gemv.gate_up_gemv), by name.
 FOLDS = {
-    "chain": (False, False, False),
-    "chain, qkv norm folded": (True, False, False),
-    "chain, gate_up norm folded": (False, True, False),
-    "chain, silu folded": (False, False, True),
-    "chain, both norms folded": (True, True, False),
-    "chain, all folded": (True, True, True),
+    "chain": (False, False, False, False),
+    "chain, qkv norm folded": (True, False, False, False),
+    "chain, gate_up norm folded": (False, True, False, False),
+    "chain, silu folded": (False, False, True, False),
+    "chain, both norms folded": (True, True, False, False),
+    "chain, all folded": (True, True, True, False),
+    "chain, silu epilogue": (False, False, False, True),
+    "chain, both norms folded, silu epilogue": (True, True, False, True),
 }
 
 
@@ -182,8 +186,9 @@ def layer_chain(model: str, m: int) -> None:
 
         return run
 
-    def folded(fold_qkv: bool, fold_gate_up: bool, fold_silu: bool):
-        """Each chosen norm or SiLU in the gemv prologue after it (MINFER_GEMV_PROLOGUE)."""
+    def folded(fold_qkv: bool, fold_gate_up: bool, fold_silu: bool, epilogue: bool):
+        """Each chosen norm or SiLU in the gemv prologue after it (MINFER_GEMV_PROLOGUE), or the
+        SiLU in gate_up's epilogue (MINFER_GEMV_EPILOGUE)."""
 
         def normed(h, res, w, norm_w, fold):
             if fold:
@@ -196,6 +201,14 @@ def layer_chain(model: str, m: int) -> None:
             for p in params:
                 qkv, res = normed(h, res, p["qkv"], p["n1"], fold_qkv)
                 h = auto(qkv[:, :attn_width], p["o"])
+                if epilogue:
+                    if not fold_gate_up:
+                        h, res = rmsnorm(h, p["n2"], 1e-6, res)
+                        h = gemv.gate_up_gemv(h, p["gate_up"])[0]
+                    else:
+                        h, res = gemv.gate_up_gemv(h, p["gate_up"], p["n2"], 1e-6, res)
+                    h = auto(h, p["down"])
+                    continue
                 gate_up, res = normed(h, res, p["gate_up"], p["n2"], fold_gate_up)
                 h = (
                     gemv.gated_gemv(gate_up, p["down"])
@@ -207,18 +220,27 @@ def layer_chain(model: str, m: int) -> None:
         return run
 
     p0 = params[0]
-    rule = tuple(gemv.prologue_pays(m, p0[w], w == "down") for w in ("qkv", "gate_up", "down"))
+    # The engine's choice (minfer.layers.linear): the norms where gemv.prologue_pays, the SiLU as
+    # gate_up's epilogue where gemv takes gate_up, else in down's prologue where that pays.
+    epilogue = gemv.suits(m, p0["gate_up"])
+    rule = (
+        gemv.prologue_pays(m, p0["qkv"], False),
+        gemv.prologue_pays(m, p0["gate_up"], False),
+        not epilogue and gemv.prologue_pays(m, p0["down"], True),
+        epilogue,
+    )
     variants = [("splitk", "0", separate(gemm.linear))]
     if m <= gemv.MAX_ROWS:
         variants += [("gemv", "0", separate(auto)), ("gemv+release", "release", separate(auto))]
-        for label, (fq, fg, fs) in FOLDS.items():
+        for label, (fq, fg, fs, fe) in FOLDS.items():
             fold = (
                 fq and gemv.suits(m, p0["qkv"]),
                 fg and gemv.suits(m, p0["gate_up"]),
                 fs and gemv.suits(m, p0["down"]),
+                fe and epilogue,
             )
-            if label == "chain" or any(fold):
-                variants.append((label + (" [the rule]" if fold == rule else ""), "1", folded(*fold)))
+            if label == "chain" or any(fold) and (fold[3] or not fe):
+                variants.append((label + (" [the engine]" if fold == rule else ""), "1", folded(*fold)))
     outputs, cells = [], []
     for label, mode, run in variants:
         set_pdl(mode)
@@ -227,7 +249,7 @@ def layer_chain(model: str, m: int) -> None:
         diff = (outputs[-1] - outputs[0]).abs().max().item() / outputs[0].abs().max().item()
         cells.append(f"{label} {us:6.2f} us/layer (max rel diff {diff:.1e})")
     set_pdl("1")
-    print(f"{model} layer chain M={m}, rule folds (qkv, gate_up, silu) = {rule}:", flush=True)
+    print(f"{model} layer chain M={m}, engine folds (qkv, gate_up, silu, epilogue) = {rule}:", flush=True)
     for cell in cells:
         print("    " + cell, flush=True)
 

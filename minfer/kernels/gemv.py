@@ -20,6 +20,12 @@ since it holds the whole of K anyway. So every program recomputes it after the w
 comes from L2: K values, against the BLOCK_N x K weights it streams from DRAM), and program 0
 alone writes the residual stream's new value, to a fresh tensor that no program reads.
 
+The SiLU-and-multiply can instead end the gate_up projection (`gate_up_gemv`, the epilogue): a
+program there takes BLOCK_N rows of the gate's weights and the same rows of the up's, so it holds
+both factors of its BLOCK_N outputs and writes silu(gate) * up, the down projection's input. That
+removes the launch without any re-read (the prologue's cost, which grows with the down
+projection's grid), and the gate_up product writes half as many values.
+
 The sum over K runs in fp32 on CUDA cores (a reduction across the tile), so the result differs
 from cuBLAS's only in summation order. Rows of x may be strided; the last dim must be contiguous.
 """
@@ -82,6 +88,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
@@ -96,8 +103,16 @@ def _gemv_kernel(
         mask=n_mask[:, None] & k_mask[None, :],
         other=0.0,
     )
+    if GATED:  # the up projection's rows follow the gate's N rows
+        w_up = tl.load(
+            w_ptr + (offs_n[:, None] + N).to(tl.int64) * stride_wn + offs_k[None, :],
+            mask=n_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if GATED:
+            bias_up = tl.load(bias_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if PROLOGUE == _NORM:
         norm_w = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     pdl_start(PDL, PDL)  # wait, then release: from here the previous kernel has finished, x is written
@@ -121,6 +136,13 @@ def _gemv_kernel(
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
             acc += bias
+        if GATED:  # rounded where the unfused gemv and minfer.kernels.activation round
+            acc_up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+            if HAS_BIAS:
+                acc_up += bias_up
+            gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
         tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -135,6 +157,13 @@ def choose_config(n: int, k: int, num_sms: int, rows: int = 1) -> tuple[int, int
     while block_n > 1 and triton.cdiv(n, block_n) < num_sms * 3 // 2:
         block_n //= 2
     return block_n, block_k, 8 if rows == 1 and block_n * block_k >= 8192 else 4
+
+
+def gated_config(n: int, k: int, num_sms: int, rows: int = 1) -> tuple[int, int, int]:
+    """`choose_config` for `gate_up_gemv`'s n outputs: the grid and register footprint of the
+    unfused gate_up product (2n rows), each program's rows split between the gate and the up."""
+    block_n, block_k, warps = choose_config(2 * n, k, num_sms, rows)
+    return max(1, block_n // 2), block_k, warps
 
 
 def suits(rows: int, weight: torch.Tensor) -> bool:
@@ -183,17 +212,8 @@ def normed_gemv(
     by every program on its own copy of the row (K is whole in each) instead of by a launch of
     its own. Without `residual` the residual stream returned is x itself. norm_weight must have
     x's dtype (so the norm's output rounds to it, as the unfused pair's does)."""
-    if norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype:
-        raise ValueError("norm_weight must be [K] in x's dtype")
     x2, out = matmul_operands(x, weight)
-    summed = x
-    if residual is not None:
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError("residual must have the shape and dtype of x")
-        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        residual = residual.reshape(x2.shape)
-        if residual.stride(-1) != 1:
-            residual = residual.contiguous()
+    residual, summed = _norm_operands(x, x2, norm_weight, residual)
     _launch(x2, weight, bias, out, config, _NORM, norm_weight, eps, residual, summed)
     return out.reshape(*x.shape[:-1], weight.shape[0]), summed
 
@@ -214,9 +234,67 @@ def gated_gemv(
     return out.reshape(*gate_up.shape[:-1], n)
 
 
-def _launch(x2, weight, bias, out, config, prologue, norm_weight=None, eps=0.0, residual=None, summed=None):
-    """One launch over x2's rows (x2 [M, K], or [M, 2K] for the SiLU prologue) into out [M, N]."""
+def gate_up_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up, the residual stream) for [gate | up] = gemv(x', weight [2N, K], bias),
+    x' = x, or rmsnorm(x [+ residual]) * norm_weight with `norm_weight` (as in `normed_gemv`):
+    what the gate_up product and minfer.kernels.activation.silu_and_mul return one after the
+    other, in one kernel. config is `gated_config`'s form."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"weight has {weight.shape[0]} rows: it must hold [gate | up]")
+    n, k = weight.shape[0] // 2, weight.shape[1]
+    x2, out = matmul_operands(x, weight[:n])
+    summed, prologue = x, _PLAIN
+    if norm_weight is not None:
+        residual, summed = _norm_operands(x, x2, norm_weight, residual)
+        prologue = _NORM
+    elif residual is not None:
+        raise ValueError("a residual is added only with the norm prologue")
+    config = config or gated_config(n, k, num_sms(x2.device), x2.shape[0])
+    _launch(x2, weight, bias, out, config, prologue, norm_weight, eps, residual, summed, gated=True)
+    return out.reshape(*x.shape[:-1], n), summed
+
+
+def _norm_operands(x, x2, norm_weight, residual):
+    """The norm prologue's residual as rows like x2's, and the residual stream's output: a fresh
+    tensor with a residual, else x itself."""
+    if norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype:
+        raise ValueError("norm_weight must be [K] in x's dtype")
+    if residual is None:
+        return None, x
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError("residual must have the shape and dtype of x")
+    residual = residual.reshape(x2.shape)
+    if residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    return residual, torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _launch(
+    x2,
+    weight,
+    bias,
+    out,
+    config,
+    prologue,
+    norm_weight=None,
+    eps=0.0,
+    residual=None,
+    summed=None,
+    gated=False,
+):
+    """One launch over x2's rows (x2 [M, K], or [M, 2K] for the SiLU prologue) into out [M, N]
+    (N = weight's rows, or half of them `gated`)."""
     n, k = weight.shape
+    if gated:
+        n //= 2
     if k > MAX_K:
         raise ValueError(f"K = {k} is over gemv's {MAX_K}: use minfer.kernels.gemm")
     m = x2.shape[0]
@@ -245,6 +323,7 @@ def _launch(x2, weight, bias, out, config, prologue, norm_weight=None, eps=0.0, 
         HAS_BIAS=bias is not None,
         PROLOGUE=prologue.value,
         HAS_RESIDUAL=residual is not None,
+        GATED=gated,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=pdl,

@@ -32,10 +32,21 @@ _HALF = (torch.bfloat16, torch.float16)
 _GEMV_PROLOGUE = os.environ.get("MINFER_GEMV_PROLOGUE", "auto")
 if _GEMV_PROLOGUE not in ("auto", "on", "off"):
     raise ValueError(f"MINFER_GEMV_PROLOGUE={_GEMV_PROLOGUE!r}: expected auto, on or off")
+# Where gemv takes the gate_up product, the SiLU-and-multiply is its epilogue instead
+# (gemv.gate_up_gemv: no launch, no re-read). MINFER_GEMV_EPILOGUE=off leaves it to the down
+# projection's prologue or its own launch, for A/B runs.
+_GEMV_EPILOGUE = os.environ.get("MINFER_GEMV_EPILOGUE", "on")
+if _GEMV_EPILOGUE not in ("on", "off"):
+    raise ValueError(f"MINFER_GEMV_EPILOGUE={_GEMV_EPILOGUE!r}: expected on or off")
+
+
+def _on_triton(x: torch.Tensor) -> bool:
+    """Whether a product of x goes to minfer's Triton kernels rather than torch's."""
+    return x.is_cuda and x.dtype in _HALF and _SMALL_GEMM == "triton"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if x.is_cuda and x.dtype in _HALF and _SMALL_GEMM == "triton":
+    if _on_triton(x):
         from minfer.kernels import gemm, gemv
 
         rows = x.numel() // x.shape[-1]
@@ -49,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _folds_prologue(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> bool:
     """Whether x's rows go through minfer.kernels.gemv with the step before it (the SiLU-and-
     multiply with `silu`, else an RMSNorm) folded in."""
-    if _GEMV_PROLOGUE == "off" or not (x.is_cuda and x.dtype in _HALF and _SMALL_GEMM == "triton"):
+    if _GEMV_PROLOGUE == "off" or not _on_triton(x):
         return False
     from minfer.kernels import gemv
 
@@ -118,6 +129,32 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.shard_sizes[shard_id]
         offset = sum(self.shard_sizes[:shard_id])
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+
+    def folds_silu(self, x: torch.Tensor) -> bool:
+        """Whether `forward_silu` is one gemv launch with the SiLU-and-multiply as its epilogue:
+        for [gate | up] of equal halves, where gemv takes the product (see _GEMV_EPILOGUE)."""
+        if _GEMV_EPILOGUE == "off" or self.low_bit is not None or not _on_triton(x):
+            return False
+        from minfer.kernels import gemv
+
+        halves = len(self.shard_sizes) == 2 and self.shard_sizes[0] == self.shard_sizes[1]
+        return halves and gemv.suits(x.numel() // x.shape[-1], self.weight)
+
+    def forward_silu(self, norm: RMSNorm | None, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """(silu(gate) * up for [gate | up] = self(norm(x [+ residual])), the residual stream):
+        forward_normed then the SiLU-and-multiply (x itself through the product without `norm`);
+        one kernel where `folds_silu` and the norm's prologue folds."""
+        if not self.folds_silu(x):
+            gate_up, stream = (self(x), x) if norm is None else self.forward_normed(norm, x, residual)
+            return silu_and_mul(gate_up), stream
+        from minfer.kernels.gemv import gate_up_gemv
+
+        if norm is not None and norm.weight.dtype == x.dtype and _folds_prologue(x, self.weight, silu=False):
+            return gate_up_gemv(x, self.weight, norm.weight, norm.eps, residual, self.bias)
+        stream = x
+        if norm is not None:
+            x, stream = (norm(x), x) if residual is None else norm(x, residual)
+        return gate_up_gemv(x, self.weight, bias=self.bias)[0], stream
 
 
 class QKVParallelLinear(ColumnParallelLinear):

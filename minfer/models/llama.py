@@ -88,10 +88,16 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.folds_silu(x):
+            return self.down_proj(self.gate_up_proj.forward_silu(None, x)[0])
         return self.down_proj.forward_gated(self.gate_up_proj(x))
 
     def forward_normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
-        """(self(norm(x + residual)), x + residual), the norm inside gate_up where it folds."""
+        """(self(norm(x + residual)), x + residual), the norm inside gate_up where it folds. The
+        SiLU-and-multiply ends the gate_up kernel where it can, else begins the down's."""
+        if self.gate_up_proj.folds_silu(x):
+            activated, residual = self.gate_up_proj.forward_silu(norm, x, residual)
+            return self.down_proj(activated), residual
         gate_up, residual = self.gate_up_proj.forward_normed(norm, x, residual)
         return self.down_proj.forward_gated(gate_up), residual
 

@@ -188,6 +188,49 @@ def test_gated_gemv_is_silu_and_mul_then_the_gemv(m, n, k, config, dtype, device
         gemv.gated_gemv(gate_up[:, :-2], w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,config", PROLOGUE_CASES)
+def test_gate_up_gemv_is_the_product_then_silu_and_mul(m, n, k, config, dtype, device):
+    """The SiLU epilogue returns what the gate_up gemv (after the norm prologue, or plain)
+    followed by minfer.kernels.activation.silu_and_mul returns: the stream exactly, the
+    activation within the prologue tolerance (each factor rounds from its own fp32 sum)."""
+    from minfer.kernels.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(3 * m + n + k)
+    x = torch.randn((m, k + 8), generator=gen).to(dtype).to(device)[:, :k]  # strided rows
+    residual = torch.randn((m, k), generator=gen).to(dtype).to(device)
+    norm_w = torch.randn((k,), generator=gen).to(dtype).to(device)
+    w = (torch.randn((2 * n, k), generator=gen) * k**-0.5).to(dtype).to(device)  # gate of order one
+    bias = torch.randn((2 * n,), generator=gen).to(dtype).to(device)
+    gated = None if config is None else (max(1, config[0] // 2), *config[1:])
+    for norm, res, b in (
+        (None, None, None),
+        (None, None, bias),
+        (norm_w, None, None),
+        (norm_w, residual, bias),
+    ):
+        if norm is None:
+            expected_gate_up, expected_stream = gemv.gemv(x, w, b, config=config), x
+        else:
+            expected_gate_up, expected_stream = gemv.normed_gemv(x, w, norm, 1e-6, res, b, config=config)
+        out, stream = gemv.gate_up_gemv(x, w, norm, 1e-6, res, b, config=gated)
+        assert out.shape == (m, n) and out.dtype == dtype
+        torch.testing.assert_close(stream, expected_stream, atol=0, rtol=0)
+        expected = silu_and_mul(expected_gate_up)
+        torch.testing.assert_close(out.double(), expected.double(), **_prologue_tolerance(dtype))
+    with pytest.raises(ValueError, match="gate"):
+        gemv.gate_up_gemv(x, w[:-1])
+    with pytest.raises(ValueError, match="residual"):
+        gemv.gate_up_gemv(x, w, residual=residual)
+
+
+def test_gated_config_keeps_the_unfused_grid_and_slice():
+    for n, k in [(3072, 1024), (14336, 4096), (6144, 2048)]:
+        for rows in (1, 2):
+            block_n, block_k, warps = gemv.choose_config(2 * n, k, num_sms=132, rows=rows)
+            assert gemv.gated_config(n, k, num_sms=132, rows=rows) == (block_n // 2, block_k, warps)
+
+
 def _prologue_tolerance(dtype):
     """The GEMM tolerance, plus (half types) a norm output one unit off on a few elements."""
     tol = gemm_tolerance(dtype)
@@ -217,6 +260,35 @@ def test_layers_fold_the_prologues_and_return_what_the_separate_steps_return(mon
     for (out, stream), (expected, expected_stream) in zip(fused, unfused):
         torch.testing.assert_close(stream, expected_stream, atol=0, rtol=0)
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("epilogue", ["on", "off"])
+def test_the_mlp_on_the_kernels_returns_what_torch_returns(monkeypatch, device, rows, epilogue):
+    """LlamaMLP routed as on a GPU (every product to minfer's Triton kernels, the interpreter off
+    one) with the SiLU as gate_up's epilogue, and without (the down's prologue or its own
+    launch), against the torch path; with the norm folded, with it apart, and without it."""
+    from minfer.layers import linear
+    from minfer.layers.norm import RMSNorm
+    from minfer.models.llama import LlamaMLP
+
+    torch.manual_seed(4)
+    cfg = type("Cfg", (), {"hidden_size": 96, "intermediate_size": 160})
+    mlp, norm = LlamaMLP(cfg, linear.SINGLE).to(device), RMSNorm(96, 1e-6).to(device)
+    for p in mlp.parameters():
+        p.data.normal_(std=p.shape[1] ** -0.5)
+    norm.weight.data.normal_(1.0, 0.2)
+    x, residual = torch.randn((rows, 96), device=device), torch.randn((rows, 96), device=device)
+    expected = mlp.forward_normed(norm, x, residual), mlp(x)
+    monkeypatch.setattr(linear, "_on_triton", lambda x: True)
+    monkeypatch.setattr(linear, "_GEMV_EPILOGUE", epilogue)
+    assert mlp.gate_up_proj.folds_silu(x) is (epilogue == "on")
+    for prologue in ("auto", "off"):
+        monkeypatch.setattr(linear, "_GEMV_PROLOGUE", prologue)
+        got = mlp.forward_normed(norm, x, residual), mlp(x)
+        torch.testing.assert_close(got[0][1], expected[0][1], atol=0, rtol=0)
+        torch.testing.assert_close(got[0][0], expected[0][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[1], expected[1], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
