@@ -17,7 +17,7 @@ import time
 import torch
 
 from minfer.attention.base import AttentionMetadata, ForwardContext
-from minfer.engine.decode_inputs import DecodeInputs
+from minfer.engine.decode_inputs import OUT_LOC, SEQ_LENS, DecodeInputs, padding_columns
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +111,16 @@ class CudaGraphRunner:
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         dev = self.device
-        self.padding_row = engine.page_table.padding_row
-        self.inputs = GraphInputs(self.max_bs, engine.kv_pool.scratch_slot, dev)
-        # Row 0: page-table row per request; row 1: sequence length after this step.
-        self.meta = torch.tensor(
-            [[self.padding_row] * self.max_bs, [1] * self.max_bs], dtype=torch.int32, device=dev
+        page_table = engine.page_table
+        # The graphs' inputs: a step's vectors, staged here in one copy (engine/decode_inputs.py).
+        self.staged = torch.tensor(
+            padding_columns(self.max_bs, page_table, engine.kv_pool.scratch_slot),
+            dtype=torch.int64,
+            device=dev,
         )
+        # Row 0: page-table row per request; row 1: sequence length after this step (int32, as
+        # the attention metadata has them: the graph narrows the staged rows into it).
+        self.meta = self.staged[: SEQ_LENS + 1].to(torch.int32)
         self.zeros = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
         self.cu = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         # One logits buffer for every captured size (outside the graph pool), so the graphs do
@@ -139,11 +143,17 @@ class CudaGraphRunner:
             extend_lens_cpu=[1] * bs,
             max_extend_len=1,
         )
-        return ForwardContext(meta, self.engine.kv_pool, self.engine.backend, self.inputs.out_loc[:bs])
+        return ForwardContext(meta, self.engine.kv_pool, self.engine.backend, self.staged[OUT_LOC, :bs])
 
     def _run(self, bs: int) -> torch.Tensor:
-        model = self.engine.model
-        hidden = model(self.inputs.input_ids[:bs], self.inputs.positions[:bs], self._context(bs))
+        """The captured step: from the staged vectors, the new slots into the page table, the
+        input tokens out of the token table, then the model and its logits."""
+        engine, model = self.engine, self.engine.model
+        step = DecodeInputs(bs, self.staged[:, :bs])
+        step.write_slots(engine.page_table)
+        self.meta[:, :bs].copy_(step.meta)
+        input_ids = engine.page_table.tokens_at(step.input_at).long()
+        hidden = model(input_ids, step.positions, self._context(bs))
         if self.engine.tp.size > 1:
             return model.shard_logits(hidden, out=self.logits[:bs])
         return model.compute_logits(hidden, out=self.logits[:bs])
@@ -162,11 +172,11 @@ class CudaGraphRunner:
         """The batch size of the graph a decode step of `batch_size` requests replays."""
         return next(s for s in self.batch_sizes if s >= batch_size)
 
-    def replay(self, input_ids: torch.Tensor, step: DecodeInputs) -> torch.Tensor:
-        """Logits of the step's requests; its vectors are staged padded to `padded_size`
+    def replay(self, step: DecodeInputs) -> torch.Tensor:
+        """Logits of the step's requests, staged into `self.staged` padded to `padded_size`
         (engine/decode_inputs.py), so the padding rows already point at the scratch slot."""
-        bs = step.meta.shape[1]
-        self.inputs.stage(input_ids, step.positions, step.out_loc, bs)
-        self.meta[:, :bs].copy_(step.meta)
+        bs = step.staged.shape[1]
+        if step.staged.data_ptr() != self.staged.data_ptr():
+            raise ValueError("a graphed decode step must be staged into CudaGraphRunner.staged")
         self.graphs[bs].replay()
         return self.logits[: step.n]

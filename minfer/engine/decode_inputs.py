@@ -5,15 +5,17 @@ sequence length after the step (with the rows, the attention metadata), the posi
 token, the KV slot that token's K/V goes to, the position its sampled token lands at (the
 sampler's noise reads it), and where in the flattened token table the input token is read and
 the sampled one written. They are all known on the host before the step starts, so they travel
-as one [7, width] int64 copy instead of four (each a pinned staging plus a copy of a few dozen
+as one [7, width] int64 copy instead of five (each a pinned staging plus a copy of a few dozen
 bytes, tens of microseconds of host time; at batch 1 the host's work is what bounds the step:
 docs/PERFORMANCE.md, section 20), and the table indices need no arithmetic on the device (five
-launches fewer a step).
+launches fewer a step). The step also writes the new slots into the device page table from
+here (`DecodeInputs.write_slots`), instead of a copy of its own at allocation.
 
-When the step replays a CUDA graph, `width` is the graph's padded batch size and the padding
-columns hold what its padding rows need (the padding page-table row, sequence length 1, the
-pool's scratch slot for their K/V), so the device fills nothing. Only the first `n` columns of
-`sampled_at` are read.
+When the step replays a CUDA graph, the copy goes straight into the graph's input buffer (the
+graph reads its vectors from there: engine/cuda_graph.py), `width` is the graph's padded batch
+size, and the padding columns hold what its padding rows need (the padding page-table row,
+sequence length 1, the pool's scratch slot for their K/V), so the device fills nothing. Only the
+first `n` columns of `sampled_at` are read.
 """
 
 from __future__ import annotations
@@ -26,26 +28,68 @@ from minfer.core import Req
 from minfer.device import to_device
 from minfer.kvcache.page_table import PageTable
 
+# The rows of the staged [7, width] tensor.
+TABLE_IDX, SEQ_LENS, POSITIONS, OUT_LOC, INPUT_AT, SAMPLED_AT, SAMPLED_TO = range(7)
+ROWS = 7
+
 
 @dataclass
 class DecodeInputs:
     n: int  # the requests of the step; columns past it are the graph's padding
-    # [2, width]: each request's page-table row and its length after this step, the decode
-    # graph's attention metadata (table_idx and seq_lens below)
-    meta: torch.Tensor
-    positions: torch.Tensor  # [width] the position of its new token (its cached length)
-    out_loc: torch.Tensor  # [width] the KV slot of that token
-    input_at: torch.Tensor  # [width] that token's index in the flattened token table
-    sampled_at: torch.Tensor  # [n] the position of the token it samples (its device_len)
-    sampled_to: torch.Tensor  # [n] that position's index in the flattened token table
+    staged: torch.Tensor  # [ROWS, width] int64 on the device, the rows named above
+
+    @property
+    def meta(self) -> torch.Tensor:
+        """[2, width]: each request's page-table row and its length after this step (the decode
+        graph's attention metadata)."""
+        return self.staged[TABLE_IDX : SEQ_LENS + 1]
 
     @property
     def table_idx(self) -> torch.Tensor:
-        return self.meta[0]
+        return self.staged[TABLE_IDX]
 
     @property
     def seq_lens(self) -> torch.Tensor:
-        return self.meta[1]
+        return self.staged[SEQ_LENS]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[width] the position of its new token (its cached length)."""
+        return self.staged[POSITIONS]
+
+    @property
+    def out_loc(self) -> torch.Tensor:
+        """[width] the KV slot of that token."""
+        return self.staged[OUT_LOC]
+
+    @property
+    def input_at(self) -> torch.Tensor:
+        """[width] that position's index in the flattened page and token tables."""
+        return self.staged[INPUT_AT]
+
+    @property
+    def sampled_at(self) -> torch.Tensor:
+        """[n] the position of the token it samples (its device_len)."""
+        return self.staged[SAMPLED_AT, : self.n]
+
+    @property
+    def sampled_to(self) -> torch.Tensor:
+        """[n] that position's index in the flattened token table."""
+        return self.staged[SAMPLED_TO, : self.n]
+
+    def write_slots(self, page_table: PageTable) -> None:
+        """Record each request's new slot in the device page table (its host mirror was written
+        when the slots were allocated: KVManager.allocate with write_device=False). A padding
+        column writes the scratch slot into the padding row, which already holds it."""
+        if page_table.slots is not page_table.slots_cpu:
+            page_table.write_slots_at(self.input_at, self.out_loc)
+
+
+def padding_columns(width: int, page_table: PageTable, scratch_slot: int) -> list[list[int]]:
+    """What the staged rows hold in a graph's padding columns: the padding page-table row,
+    sequence length 1, the scratch slot for the K/V, and zeros where nothing is read."""
+    flat = page_table.flat_index(page_table.padding_row, 0)
+    return [[v] * width for v in (page_table.padding_row, 1, 0, scratch_slot, flat, 0, 0)]
 
 
 def stage_decode_inputs(
@@ -55,27 +99,31 @@ def stage_decode_inputs(
     page_table: PageTable,
     scratch_slot: int,
     device: torch.device,
+    into: torch.Tensor | None = None,
 ) -> DecodeInputs:
-    """The step's vectors for `reqs` (a decode batch, in its order) padded to `width` columns."""
-    n = len(reqs)
-    pad = width - n
+    """The step's vectors for `reqs` (a decode batch, in its order) padded to `width` columns,
+    copied into the first `width` columns of `into` ([ROWS, >= width] int64 on `device`: a
+    decode graph's input buffer) or into a new tensor."""
+    pad = padding_columns(width - len(reqs), page_table, scratch_slot)
     rows = [r.table_idx for r in reqs]
     positions = [r.cached_len for r in reqs]
     sampled_at = [r.device_len for r in reqs]
     flat = page_table.flat_index
-    padding_row = page_table.padding_row
-    staged = to_device(
-        [
-            rows + [padding_row] * pad,
-            [p + 1 for p in positions] + [1] * pad,
-            positions + [0] * pad,
-            list(out_loc) + [scratch_slot] * pad,
-            list(map(flat, rows, positions)) + [flat(padding_row, 0)] * pad,
-            sampled_at + [0] * pad,
-            list(map(flat, rows, sampled_at)) + [0] * pad,
-        ],
-        torch.int64,
-        device,
-    )
-    positions_d, out_loc_d, input_at, sampled_at_d, sampled_to = staged[2:]
-    return DecodeInputs(n, staged[:2], positions_d, out_loc_d, input_at, sampled_at_d[:n], sampled_to[:n])
+    host = [
+        rows,
+        [p + 1 for p in positions],
+        positions,
+        list(out_loc),
+        list(map(flat, rows, positions)),
+        sampled_at,
+        list(map(flat, rows, sampled_at)),
+    ]
+    host = [real + padding for real, padding in zip(host, pad)]
+    if into is None:
+        return DecodeInputs(len(reqs), to_device(host, torch.int64, device))
+    staged = into[:, :width]
+    if device.type == "cuda":
+        staged.copy_(torch.tensor(host, dtype=torch.int64).pin_memory(), non_blocking=True)
+    else:
+        staged.copy_(torch.tensor(host, dtype=torch.int64))
+    return DecodeInputs(len(reqs), staged)

@@ -246,11 +246,14 @@ class Engine:
         if is_decode:
             width = self.graphs.padded_size(len(reqs)) if graphed else len(reqs)
             scratch = self.kv_pool.scratch_slot
-            step = stage_decode_inputs(reqs, batch.out_loc, width, self.page_table, scratch, self.device)
-            positions_d, out_loc = step.positions, step.out_loc
-            input_ids = self.page_table.tokens_at(step.input_at)  # int32: the graph's copy widens it
-            if not graphed:
-                input_ids = input_ids.long()
+            into = self.graphs.staged if graphed else None  # a graph reads its inputs there
+            step = stage_decode_inputs(
+                reqs, batch.out_loc, width, self.page_table, scratch, self.device, into
+            )
+            if not graphed:  # the graph does the same itself
+                step.write_slots(self.page_table)
+                positions_d, out_loc = step.positions, step.out_loc
+                input_ids = self.page_table.tokens_at(step.input_at).long()
         else:
             rows, positions = runs_of_positions(table_idx, prefix_lens, batch.extend_lens)
             slots = torch.as_tensor(batch.out_loc, dtype=torch.int64)
@@ -263,7 +266,7 @@ class Engine:
         prompt_logprobs = None
         with torch.inference_mode():
             if graphed:
-                logits = self.graphs.replay(input_ids, step)
+                logits = self.graphs.replay(step)
             else:
                 extend_lens = list(batch.extend_lens)
                 graphs = self.prefill_graphs  # a prefill pass replays a graph where one holds it

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minfer.kernels.common import num_sms
+
 
 @triton.jit
 def _mix32(x):
@@ -32,9 +34,18 @@ def _mix32(x):
 # row (the first version) left most of an H200 idle: 256 rows x 151,936 entries took 183 us
 # against 36 us of memory traffic. With chunks a batch of 256 is ~9,700 programs and a batch of
 # one still spreads over 38 SMs: 100 us at B=256 (with the uint32 hash and per-lane bests),
-# where the two logs per logit are now the bound.
+# where the two logs per logit are now the bound. A small batch takes chunks of one block
+# instead (SMALL_CHUNK): at batch 1 that is 149 programs of one step each for Qwen3's
+# vocabulary, not 38 programs of four steps, which the step waits for one after another.
 CHUNK = 4096
+SMALL_CHUNK = 1024
 BLOCK = 1024
+
+
+def chunk_for(batch: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary entries per program: SMALL_CHUNK while CHUNK would leave fewer than two
+    programs per SM."""
+    return SMALL_CHUNK if batch * triton.cdiv(vocab, CHUNK) < 2 * num_sms(device) else CHUNK
 
 
 @triton.jit
@@ -102,10 +113,14 @@ def _pick_best_chunk_kernel(
 
 
 def gumbel_argmax(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """logits [B, V] float32 (last dim contiguous) -> sampled token ids [B] int64."""
-    return gumbel_best(logits, temperature, seeds, positions)[0]
+    return gumbel_best(logits, temperature, seeds, positions, chunk=chunk)[0]
 
 
 def gumbel_best(
@@ -114,14 +129,17 @@ def gumbel_best(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     col_offset: int = 0,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(column [B] int64, perturbed value [B] float32) of each row's winner; the columns of
-    `logits` are vocabulary entries col_offset.. (see the chunk kernel)."""
+    `logits` are vocabulary entries col_offset.. (see the chunk kernel). `chunk`: entries per
+    program (a multiple of BLOCK), else `chunk_for`'s."""
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     out_val = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch:
-        num_chunks = triton.cdiv(vocab, CHUNK)
+        chunk = chunk or chunk_for(batch, vocab, logits.device)
+        num_chunks = triton.cdiv(vocab, chunk)
         best_val = torch.empty((batch, num_chunks), dtype=torch.float32, device=logits.device)
         best_idx = torch.empty((batch, num_chunks), dtype=torch.int32, device=logits.device)
         _gumbel_argmax_chunk_kernel[(batch, num_chunks)](
@@ -135,7 +153,7 @@ def gumbel_best(
             vocab,
             col_offset,
             num_chunks,
-            CHUNK=CHUNK,
+            CHUNK=chunk,
             BLOCK=BLOCK,
             num_warps=4,
         )

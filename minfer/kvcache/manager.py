@@ -161,8 +161,11 @@ class KVManager:
         if load is not None and not self.host_tier.done(load):
             self.host_tier.order_compute_after(load)
 
-    def allocate(self, reqs: list[Req], extend_lens: list[int]) -> list[int]:
+    def allocate(self, reqs: list[Req], extend_lens: list[int], write_device: bool = True) -> list[int]:
         """Allocate slots for each request's next `extend_lens[i]` positions; returns out_loc.
+        Without `write_device` only the page table's host mirror records them, and the pass
+        that runs them must write the device table (a decode step does, from the vectors it
+        stages anyway: engine/decode_inputs.py).
 
         The caller has checked capacity with `reserve_pages`; running short here is a bug.
         """
@@ -189,7 +192,7 @@ class KVManager:
                     req_slots.extend(range(page * ps, page * ps + ps))
                 used += need
                 slots.extend(req_slots[:n])
-        self.page_table.write_slots(rows, positions, slots)
+        self.page_table.write_slots(rows, positions, slots, write_device)
         return slots
 
     def cache_prompt(self, req: Req) -> list[tuple[int, int, int]]:
@@ -282,6 +285,12 @@ class KVManager:
                     f"request {req.uid}: shared_len {req.shared_len}, cached_len {req.cached_len}"
                 )
             row = self.page_table.row_slots(req.table_idx, req.cached_len).tolist()
+            if self.page_table.slots is not self.page_table.slots_cpu:  # what the kernels read
+                device_row = self.page_table.slots[req.table_idx, : req.cached_len].tolist()
+                if device_row != row:
+                    raise KVInvariantError(
+                        f"request {req.uid}: the device page table differs from its host mirror"
+                    )
             if row[: req.shared_len] != self.prefix_cache.handle_slots(req.cache_handle):
                 raise KVInvariantError(
                     f"request {req.uid}: its first {req.shared_len} slots are not the "

@@ -83,9 +83,10 @@ class PageTable:
     # Tables are addressed through flat indices (row * max_len + position) with index_select /
     # index_copy_: on CPU, advanced indexing runs a parallel kernel whose thread wake-up costs
     # milliseconds on a busy machine; on CUDA both are single kernels.
-    def write_slots(self, rows, positions, slots) -> None:
+    def write_slots(self, rows, positions, slots, write_device: bool = True) -> None:
         """Record slots for (row, position) pairs, given as three sequences (lists or CPU
-        tensors) of one length."""
+        tensors) of one length; in the host mirror alone without `write_device` (the caller
+        then writes the device table with `write_slots_at`)."""
         if len(slots) <= FEW_POSITIONS:  # a decode step: one tensor from lists (see runs_of_positions)
             rows, positions = _as_list(rows), _as_list(positions)
             flat = [r * self.max_len + p for r, p in zip(rows, positions)]
@@ -96,10 +97,15 @@ class PageTable:
             )
             packed = torch.stack([flat, torch.as_tensor(slots, dtype=torch.int64)])
         self.slots_cpu.view(-1).index_copy_(0, packed[0], packed[1].to(torch.int32))
-        if self.slots is self.slots_cpu:
+        if self.slots is self.slots_cpu or not write_device:
             return
         dev = to_device(packed, torch.int64, self.device)
-        self.slots.view(-1).index_copy_(0, dev[0], dev[1].to(torch.int32))
+        self.write_slots_at(dev[0], dev[1])
+
+    def write_slots_at(self, flat: torch.Tensor, slots: torch.Tensor) -> None:
+        """The device table's entries at flat indices (`flat_index`) set to slots (device
+        tensors of one length)."""
+        self.slots.view(-1).index_copy_(0, flat, slots.to(torch.int32))
 
     def gather_tokens(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token ids at (row, position) pairs (device int64 tensors), as int64."""
@@ -109,7 +115,8 @@ class PageTable:
         self.scatter_tokens_at(rows * self.max_len + positions, token_ids)
 
     def flat_index(self, row: int, position: int) -> int:
-        """The index of (row, position) in a flattened table (`tokens_at`, `scatter_tokens_at`)."""
+        """The index of (row, position) in a flattened table (`tokens_at`, `scatter_tokens_at`,
+        `write_slots_at`: both tables have one shape)."""
         return row * self.max_len + position
 
     def tokens_at(self, flat: torch.Tensor) -> torch.Tensor:

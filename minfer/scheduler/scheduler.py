@@ -231,7 +231,10 @@ class Scheduler:
         batch = self.schedule()
         launched = None
         if batch is not None:
-            batch.out_loc = self.kv.allocate(batch.reqs, batch.extend_lens)
+            # A decode step writes its slots into the device page table itself.
+            batch.out_loc = self.kv.allocate(
+                batch.reqs, batch.extend_lens, write_device=batch.phase != Phase.DECODE
+            )
             self.trace.scheduled(batch)
             launched = (batch, self.engine.forward_batch(batch))
             self.advance(batch)

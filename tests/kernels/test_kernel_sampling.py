@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from minfer.core import SamplingParams
 from minfer.engine.sampler import SamplingTensors, sample
-from minfer.kernels.sampling import CHUNK, gumbel_argmax
+from minfer.kernels.sampling import CHUNK, SMALL_CHUNK, chunk_for, gumbel_argmax
 
 
-def _kernel_tokens(logits: torch.Tensor, st: SamplingTensors, device: torch.device) -> list[int]:
+def _kernel_tokens(logits: torch.Tensor, st: SamplingTensors, device: torch.device, chunk=None) -> list[int]:
     """The kernel's tokens for CPU inputs, computed on `device` (the GPU when there is one)."""
     return gumbel_argmax(
-        logits.to(device), st.temperature.to(device), st.seeds.to(device), st.positions.to(device)
+        logits.to(device), st.temperature.to(device), st.seeds.to(device), st.positions.to(device), chunk
     ).tolist()
 
 
@@ -29,9 +30,10 @@ def test_gumbel_argmax_matches_torch_sampler(device):
         assert _kernel_tokens(logits, st, device) == expected.tolist()
 
 
-def test_gumbel_argmax_across_chunks_and_ties(device):
+@pytest.mark.parametrize("chunk", [SMALL_CHUNK, CHUNK])
+def test_gumbel_argmax_across_chunks_and_ties(device, chunk):
     """A vocabulary of several chunks (the last one partial); greedy rows whose maximum appears
-    in two chunks take the lower index, as torch.argmax does."""
+    in two chunks take the lower index, as torch.argmax does; either chunk size draws the same."""
     torch.manual_seed(1)
     batch, vocab = 4, 2 * CHUNK + 123
     logits = torch.randn(batch, vocab)
@@ -40,9 +42,20 @@ def test_gumbel_argmax_across_chunks_and_ties(device):
     logits[2, vocab - 1] = 50.0  # the very last entry of the partial chunk
     params = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(temperature=0.8)]
     st = SamplingTensors.build(params, [1, 2, 3, 4], [9] * batch, vocab, torch.device("cpu"))
-    got = _kernel_tokens(logits, st, device)
+    got = _kernel_tokens(logits, st, device, chunk)
     assert got[:3] == [5, CHUNK + 3, vocab - 1]
     assert got == sample(logits, st).tolist()
+
+
+def test_small_batches_take_small_chunks(monkeypatch):
+    """Two programs per SM at least, on an H200's 132 SMs: a batch of 1 or 4 over Qwen3's
+    vocabulary takes small chunks (149 programs at batch 1), a batch of 64 the large ones."""
+    import minfer.kernels.sampling as sampling
+
+    monkeypatch.setattr(sampling, "num_sms", lambda device: 132)
+    h200 = torch.device("cpu")
+    assert chunk_for(1, 151936, h200) == chunk_for(4, 151936, h200) == SMALL_CHUNK
+    assert chunk_for(64, 151936, h200) == CHUNK
 
 
 def test_gumbel_best_over_vocabulary_shards(device):
