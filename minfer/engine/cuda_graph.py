@@ -150,9 +150,7 @@ class CudaGraphRunner:
         input tokens out of the token table, then the model and its logits."""
         engine, model = self.engine, self.engine.model
         step = DecodeInputs(bs, self.staged[:, :bs])
-        step.write_slots(engine.page_table)
-        self.meta[:, :bs].copy_(step.meta)
-        input_ids = engine.page_table.tokens_at(step.input_at).long()
+        input_ids = step.start(engine.page_table, self.meta)
         hidden = model(input_ids, step.positions, self._context(bs))
         if self.engine.tp.size > 1:
             return model.shard_logits(hidden, out=self.logits[:bs])

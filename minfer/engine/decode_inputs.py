@@ -9,7 +9,8 @@ as one [7, width] int64 copy instead of five (each a pinned staging plus a copy 
 bytes, tens of microseconds of host time; at batch 1 the host's work is what bounds the step:
 docs/PERFORMANCE.md, section 20), and the table indices need no arithmetic on the device (five
 launches fewer a step). The step also writes the new slots into the device page table from
-here (`DecodeInputs.write_slots`), instead of a copy of its own at allocation.
+here (`DecodeInputs.start`, one kernel with the input-token gather), instead of a copy of its
+own at allocation.
 
 When the step replays a CUDA graph, the copy goes straight into the graph's input buffer (the
 graph reads its vectors from there: engine/cuda_graph.py), `width` is the graph's padded batch
@@ -77,12 +78,25 @@ class DecodeInputs:
         """[n] that position's index in the flattened token table."""
         return self.staged[SAMPLED_TO, : self.n]
 
-    def write_slots(self, page_table: PageTable) -> None:
-        """Record each request's new slot in the device page table (its host mirror was written
-        when the slots were allocated: KVManager.allocate with write_device=False). A padding
-        column writes the scratch slot into the padding row, which already holds it."""
-        if page_table.slots is not page_table.slots_cpu:
+    def start(self, page_table: PageTable, meta: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's input token ids [width] int64, read from the token table, after recording
+        each request's new slot in the device page table (its host mirror was written when the
+        slots were allocated: KVManager.allocate with write_device=False), and with `meta` (a
+        graph's int32 [2, >= width] attention metadata) holding the step's `meta`. A padding
+        column writes the scratch slot into the padding row, which already holds it. One kernel
+        on CUDA (minfer.kernels.decode_step), the same steps as torch ops elsewhere."""
+        separate_table = page_table.slots is not page_table.slots_cpu
+        if self.staged.is_cuda:
+            from minfer.kernels.decode_step import decode_step_inputs
+
+            slots = page_table.slots if separate_table else None
+            rows = (TABLE_IDX, SEQ_LENS, OUT_LOC, INPUT_AT)
+            return decode_step_inputs(self.staged, rows, slots, page_table.tokens, meta)
+        if separate_table:
             page_table.write_slots_at(self.input_at, self.out_loc)
+        if meta is not None:
+            meta[:, : self.staged.shape[1]].copy_(self.meta)
+        return page_table.tokens_at(self.input_at).long()
 
 
 def padding_columns(width: int, page_table: PageTable, scratch_slot: int) -> list[list[int]]:

@@ -250,10 +250,9 @@ class Engine:
             step = stage_decode_inputs(
                 reqs, batch.out_loc, width, self.page_table, scratch, self.device, into
             )
-            if not graphed:  # the graph does the same itself
-                step.write_slots(self.page_table)
+            if not graphed:  # the graph starts the same way itself
+                input_ids = step.start(self.page_table)
                 positions_d, out_loc = step.positions, step.out_loc
-                input_ids = self.page_table.tokens_at(step.input_at).long()
         else:
             rows, positions = runs_of_positions(table_idx, prefix_lens, batch.extend_lens)
             slots = torch.as_tensor(batch.out_loc, dtype=torch.int64)

@@ -46,7 +46,7 @@ def test_a_graph_buffer_is_staged_in_place_and_keeps_its_padding_beyond_the_widt
 
 def test_a_decode_step_writes_its_slots_where_allocation_left_the_device_table_alone():
     """KVManager.allocate(write_device=False) records the slots in the host mirror; the step's
-    DecodeInputs.write_slots puts them in the device table (here a second CPU table stands in
+    DecodeInputs.start puts them in the device table (here a second CPU table stands in
     for the device one, as on CUDA the two are distinct tensors)."""
     table = PageTable(max_rows=9, max_len=50, device=torch.device("cpu"))
     table.slots_cpu = table.slots.clone()  # as on CUDA: a mirror apart from the device table
@@ -55,7 +55,8 @@ def test_a_decode_step_writes_its_slots_where_allocation_left_the_device_table_a
     assert table.slots_cpu[3, 6] == 40 and table.slots[3, 6] == 0
     reqs = [SimpleNamespace(table_idx=3, cached_len=6, device_len=7)]
     step = stage_decode_inputs(reqs, [40], 2, table, scratch_slot=77, device=torch.device("cpu"))
-    step.write_slots(table)
+    table.tokens[3, 6] = 1234
+    assert step.start(table).tolist() == [1234, 0]
     assert table.slots[3, 6] == 40 and torch.equal(table.slots[9], torch.full((50,), 77, dtype=torch.int32))
 
 
