@@ -34,18 +34,20 @@ def _mix32(x):
 # row (the first version) left most of an H200 idle: 256 rows x 151,936 entries took 183 us
 # against 36 us of memory traffic. With chunks a batch of 256 is ~9,700 programs and a batch of
 # one still spreads over 38 SMs: 100 us at B=256 (with the uint32 hash and per-lane bests),
-# where the two logs per logit are now the bound. A small batch takes chunks of one block
-# instead (SMALL_CHUNK): at batch 1 that is 149 programs of one step each for Qwen3's
-# vocabulary, not 38 programs of four steps, which the step waits for one after another.
+# where the two logs per logit are now the bound. A batch too small to give every SM one
+# program takes chunks of one block instead (SMALL_CHUNK): at batch 1 that is 149 programs of
+# one step each for Qwen3's vocabulary, not 38 programs of four steps, which the step waits for
+# one after another. (The first rule, under two programs per SM, also took batches of 4-6; the
+# offline bench's 4-7 band was then 0.05-0.08 ms slower in one call of two, unexplained, so
+# those batches keep the large chunks: docs/BENCHMARKS.md, twentieth session.)
 CHUNK = 4096
 SMALL_CHUNK = 1024
 BLOCK = 1024
 
 
 def chunk_for(batch: int, vocab: int, device: torch.device) -> int:
-    """Vocabulary entries per program: SMALL_CHUNK while CHUNK would leave fewer than two
-    programs per SM."""
-    return SMALL_CHUNK if batch * triton.cdiv(vocab, CHUNK) < 2 * num_sms(device) else CHUNK
+    """Vocabulary entries per program: SMALL_CHUNK while CHUNK would leave SMs without one."""
+    return SMALL_CHUNK if batch * triton.cdiv(vocab, CHUNK) < num_sms(device) else CHUNK
 
 
 @triton.jit

@@ -48,14 +48,14 @@ def test_gumbel_argmax_across_chunks_and_ties(device, chunk):
 
 
 def test_small_batches_take_small_chunks(monkeypatch):
-    """Two programs per SM at least, on an H200's 132 SMs: a batch of 1 or 4 over Qwen3's
-    vocabulary takes small chunks (149 programs at batch 1), a batch of 64 the large ones."""
+    """On an H200's 132 SMs: batches of 1-3 over Qwen3's vocabulary (38 large chunks a row)
+    take small chunks (149 programs at batch 1), from 4 rows the large ones."""
     import minfer.kernels.sampling as sampling
 
     monkeypatch.setattr(sampling, "num_sms", lambda device: 132)
     h200 = torch.device("cpu")
-    assert chunk_for(1, 151936, h200) == chunk_for(4, 151936, h200) == SMALL_CHUNK
-    assert chunk_for(64, 151936, h200) == CHUNK
+    assert chunk_for(1, 151936, h200) == chunk_for(3, 151936, h200) == SMALL_CHUNK
+    assert chunk_for(4, 151936, h200) == chunk_for(64, 151936, h200) == CHUNK
 
 
 def test_gumbel_best_over_vocabulary_shards(device):
