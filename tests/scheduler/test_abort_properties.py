@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import split_page_table
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -73,6 +74,8 @@ engine_options = st.fixed_dictionaries(
         "page_size": st.sampled_from([1, 2, 4]),
         "chunked_prefill_size": st.sampled_from([8, 16, 64]),
         "kv_cache_tokens": st.sampled_from([96, 160, 512]),  # the small ones force preemption
+        # the page table's device copy apart from its host mirror, as on CUDA (split_page_table)
+        "split_mirror": st.booleans(),
     }
 )
 
@@ -83,7 +86,11 @@ engine_options = st.fixed_dictionaries(
     ops=st.lists(st.one_of(add, add, step, step, abort, evict), min_size=4, max_size=30),
 )
 def test_random_aborts_keep_pages_and_outputs(model_path, options, ops):
+    options = dict(options)
+    split = options.pop("split_mirror")
     llm = LLM(model_path, check_kv_invariants=True, log_level="warning", **options)
+    if split:
+        split_page_table.split_mirror(llm)
     sched = llm.scheduler
     live: dict[int, tuple] = {}  # uid -> (req, prompt index, max_tokens, stop position)
     aborted: set[int] = set()

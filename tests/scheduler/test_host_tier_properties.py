@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import split_page_table
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -63,6 +64,8 @@ engine_options = st.fixed_dictionaries(
         # Loads in flight (tests/deferred_load_tier.py): requests wait for them (or join a pass
         # ordered after them), evictions settle them.
         "deferred_loads": st.sampled_from([None, "wait", "join"]),
+        # the page table's device copy apart from its host mirror, as on CUDA (split_page_table)
+        "split_mirror": st.booleans(),
     }
 )
 
@@ -119,9 +122,12 @@ def run_ops(model_path, monkeypatch, policy, options, ops):
         use_deferred_loads(monkeypatch, deferred)
     else:
         monkeypatch.setattr(scheduler_module, "HostTier", HostTier)
+    split = options.pop("split_mirror", False)
     llm = LLM(
         model_path, check_kv_invariants=True, log_level="warning", host_kv_write_policy=policy, **options
     )
+    if split:
+        split_page_table.split_mirror(llm)
     sched = llm.scheduler
     cache = sched.kv.prefix_cache
     live: dict[int, tuple] = {}  # uid -> (req, prompt index, max_tokens)
