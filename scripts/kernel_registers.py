@@ -176,7 +176,8 @@ def cases():
 
 def gemv_cases():
     """gemv's launches at the one-row (and two-row) decode shapes, plain and with the prologue
-    the engine would give it (MINFER_GEMV_PROLOGUE=on), in the same tuple form as `cases`."""
+    the engine would give it (MINFER_GEMV_PROLOGUE=on), and gate_up with the SiLU as its
+    epilogue (gemv.gate_up_gemv, after the norm), in the same tuple form as `cases`."""
     shapes = {  # name: (N, K, prologue)
         "qwen3-0.6b qkv": (4096, 1024, gemv._NORM),
         "qwen3-0.6b gate_up": (6144, 1024, gemv._NORM),
@@ -189,18 +190,25 @@ def gemv_cases():
         for rows in (1, 2):
             if rows == 2 and k > gemv.MAX_K_TWO_ROWS:
                 continue
-            block_n, block_k, warps = gemv.choose_config(n, k, 132, rows)
-            for folded in (gemv._PLAIN, prologue):
+            variants = [(gemv._PLAIN, False), (prologue, False)]
+            if name.endswith("gate_up"):
+                variants.append((gemv._NORM, True))
+            for folded, gated in variants:
+                choose = gemv.gated_config if gated else gemv.choose_config
+                block_n, block_k, warps = choose(n // 2 if gated else n, k, 132, rows)
                 constexprs = dict(
                     ROWS=rows,
                     HAS_BIAS=False,
                     PROLOGUE=folded.value,
                     HAS_RESIDUAL=folded == gemv._NORM,
+                    GATED=gated,
                     BLOCK_N=block_n,
                     BLOCK_K=block_k,
                     PDL=True,
                 )
-                kind = {0: "plain", 1: "+norm", 2: "+silu"}[folded.value]
+                kind = {0: "plain", 1: "+norm", 2: "+silu"}[folded.value] + (
+                    " +silu epilogue" if gated else ""
+                )
                 label = f"gemv {name} M={rows} {kind}"
                 yield label, gemv._gemv_kernel, "bf16", constexprs, warps, 1, None
 
