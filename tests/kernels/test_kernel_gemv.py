@@ -225,10 +225,14 @@ def test_gate_up_gemv_is_the_product_then_silu_and_mul(m, n, k, config, dtype, d
 
 
 def test_gated_config_keeps_the_unfused_grid_and_slice():
+    """The epilogue's programs (gate and up rows each) are as many, and hold as many weights, as
+    the unfused gate_up gemv's over its 2n rows (Qwen3-0.6B, Llama-3.1-8B, Qwen3-1.7B MLPs)."""
     for n, k in [(3072, 1024), (14336, 4096), (6144, 2048)]:
         for rows in (1, 2):
             block_n, block_k, warps = gemv.choose_config(2 * n, k, num_sms=132, rows=rows)
-            assert gemv.gated_config(n, k, num_sms=132, rows=rows) == (block_n // 2, block_k, warps)
+            gated_n, gated_k, gated_warps = gemv.gated_config(n, k, num_sms=132, rows=rows)
+            assert -(-n // gated_n) == -(-2 * n // block_n)  # programs
+            assert 2 * gated_n * gated_k == block_n * block_k and gated_warps == warps  # slice
 
 
 def _prologue_tolerance(dtype):
