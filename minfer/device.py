@@ -11,14 +11,19 @@ from __future__ import annotations
 import torch
 
 
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A list (or CPU tensor) of numbers as a tensor on `device`, without a host sync on CUDA."""
+def to_device(
+    values, dtype: torch.dtype, device: torch.device, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A list (or CPU tensor) of numbers as a tensor on `device`, without a host sync on CUDA;
+    copied into `out` (a tensor of that shape, dtype and device) when given."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if host.dtype != dtype:
         host = host.to(dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    if out is not None:
+        return out.copy_(host, non_blocking=device.type == "cuda")
+    return host.to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def cpu_thread_count(requested: int | None, ranks_per_node: int = 1) -> int:

@@ -31,52 +31,32 @@ from minfer.kvcache.page_table import PageTable
 
 # The rows of the staged [7, width] tensor.
 TABLE_IDX, SEQ_LENS, POSITIONS, OUT_LOC, INPUT_AT, SAMPLED_AT, SAMPLED_TO = range(7)
-ROWS = 7
+
+
+def _row(index: int, doc: str, requests_only: bool = False) -> property:
+    """Row `index` of DecodeInputs.staged: every column, or the first n (the requests')."""
+    if requests_only:
+        return property(lambda self: self.staged[index, : self.n], doc=doc)
+    return property(lambda self: self.staged[index], doc=doc)
 
 
 @dataclass
 class DecodeInputs:
     n: int  # the requests of the step; columns past it are the graph's padding
-    staged: torch.Tensor  # [ROWS, width] int64 on the device, the rows named above
+    staged: torch.Tensor  # [7, width] int64 on the device, the rows named above
+
+    table_idx = _row(TABLE_IDX, "[width] each request's page-table row")
+    seq_lens = _row(SEQ_LENS, "[width] its length after this step")
+    positions = _row(POSITIONS, "[width] the position of its new token (its cached length)")
+    out_loc = _row(OUT_LOC, "[width] the KV slot of that token")
+    input_at = _row(INPUT_AT, "[width] that position's index in the flattened page and token tables")
+    sampled_at = _row(SAMPLED_AT, "[n] the position of the token it samples (its device_len)", True)
+    sampled_to = _row(SAMPLED_TO, "[n] that position's index in the flattened token table", True)
 
     @property
     def meta(self) -> torch.Tensor:
-        """[2, width]: each request's page-table row and its length after this step (the decode
-        graph's attention metadata)."""
+        """[2, width]: table_idx and seq_lens, the decode graph's attention metadata."""
         return self.staged[TABLE_IDX : SEQ_LENS + 1]
-
-    @property
-    def table_idx(self) -> torch.Tensor:
-        return self.staged[TABLE_IDX]
-
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        return self.staged[SEQ_LENS]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """[width] the position of its new token (its cached length)."""
-        return self.staged[POSITIONS]
-
-    @property
-    def out_loc(self) -> torch.Tensor:
-        """[width] the KV slot of that token."""
-        return self.staged[OUT_LOC]
-
-    @property
-    def input_at(self) -> torch.Tensor:
-        """[width] that position's index in the flattened page and token tables."""
-        return self.staged[INPUT_AT]
-
-    @property
-    def sampled_at(self) -> torch.Tensor:
-        """[n] the position of the token it samples (its device_len)."""
-        return self.staged[SAMPLED_AT, : self.n]
-
-    @property
-    def sampled_to(self) -> torch.Tensor:
-        """[n] that position's index in the flattened token table."""
-        return self.staged[SAMPLED_TO, : self.n]
 
     def start(self, page_table: PageTable, meta: torch.Tensor | None = None) -> torch.Tensor:
         """The step's input token ids [width] int64, read from the token table, after recording
@@ -85,14 +65,13 @@ class DecodeInputs:
         graph's int32 [2, >= width] attention metadata) holding the step's `meta`. A padding
         column writes the scratch slot into the padding row, which already holds it. One kernel
         on CUDA (minfer.kernels.decode_step), the same steps as torch ops elsewhere."""
-        separate_table = page_table.slots is not page_table.slots_cpu
         if self.staged.is_cuda:
             from minfer.kernels.decode_step import decode_step_inputs
 
-            slots = page_table.slots if separate_table else None
+            slots = page_table.slots if page_table.mirrored else None
             rows = (TABLE_IDX, SEQ_LENS, OUT_LOC, INPUT_AT)
             return decode_step_inputs(self.staged, rows, slots, page_table.tokens, meta)
-        if separate_table:
+        if page_table.mirrored:
             page_table.write_slots_at(self.input_at, self.out_loc)
         if meta is not None:
             meta[:, : self.staged.shape[1]].copy_(self.meta)
@@ -116,7 +95,7 @@ def stage_decode_inputs(
     into: torch.Tensor | None = None,
 ) -> DecodeInputs:
     """The step's vectors for `reqs` (a decode batch, in its order) padded to `width` columns,
-    copied into the first `width` columns of `into` ([ROWS, >= width] int64 on `device`: a
+    copied into the first `width` columns of `into` ([7, >= width] int64 on `device`: a
     decode graph's input buffer) or into a new tensor."""
     pad = padding_columns(width - len(reqs), page_table, scratch_slot)
     rows = [r.table_idx for r in reqs]
@@ -133,11 +112,5 @@ def stage_decode_inputs(
         list(map(flat, rows, sampled_at)),
     ]
     host = [real + padding for real, padding in zip(host, pad)]
-    if into is None:
-        return DecodeInputs(len(reqs), to_device(host, torch.int64, device))
-    staged = into[:, :width]
-    if device.type == "cuda":
-        staged.copy_(torch.tensor(host, dtype=torch.int64).pin_memory(), non_blocking=True)
-    else:
-        staged.copy_(torch.tensor(host, dtype=torch.int64))
-    return DecodeInputs(len(reqs), staged)
+    out = None if into is None else into[:, :width]
+    return DecodeInputs(len(reqs), to_device(host, torch.int64, device, out))

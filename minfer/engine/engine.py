@@ -307,10 +307,8 @@ class Engine:
             if sampled_at is not None:
                 self.page_table.scatter_tokens_at(step.sampled_to, next_tokens)
             else:
-                where = to_device(
-                    [[r.table_idx for r in chosen], [r.device_len for r in chosen]], torch.int64, self.device
-                )
-                self.page_table.scatter_tokens(where[0], where[1], next_tokens)
+                flat = [self.page_table.flat_index(r.table_idx, r.device_len) for r in chosen]
+                self.page_table.scatter_tokens_at(to_device(flat, torch.int64, self.device), next_tokens)
         result = ForwardResult(
             next_tokens,
             sampled_rows,

@@ -285,7 +285,7 @@ class KVManager:
                     f"request {req.uid}: shared_len {req.shared_len}, cached_len {req.cached_len}"
                 )
             row = self.page_table.row_slots(req.table_idx, req.cached_len).tolist()
-            if self.page_table.slots is not self.page_table.slots_cpu:  # what the kernels read
+            if self.page_table.mirrored:  # the device table is what the kernels read
                 device_row = self.page_table.slots[req.table_idx, : req.cached_len].tolist()
                 if device_row != row:
                     raise KVInvariantError(

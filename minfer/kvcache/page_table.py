@@ -59,6 +59,12 @@ class PageTable:
         )
         self._free_rows = list(range(max_rows - 1, -1, -1))
 
+    @property
+    def mirrored(self) -> bool:
+        """Whether the host mirror is a tensor apart from the device table (on a GPU): then a
+        write must reach both."""
+        return self.slots is not self.slots_cpu
+
     def point_padding_row_at(self, slot: int) -> None:
         self.slots[self.padding_row].fill_(slot)
         self.slots_cpu[self.padding_row].fill_(slot)  # the same tensor on CPU: harmless
@@ -97,7 +103,7 @@ class PageTable:
             )
             packed = torch.stack([flat, torch.as_tensor(slots, dtype=torch.int64)])
         self.slots_cpu.view(-1).index_copy_(0, packed[0], packed[1].to(torch.int32))
-        if self.slots is self.slots_cpu or not write_device:
+        if not self.mirrored or not write_device:
             return
         dev = to_device(packed, torch.int64, self.device)
         self.write_slots_at(dev[0], dev[1])
@@ -110,9 +116,6 @@ class PageTable:
     def gather_tokens(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token ids at (row, position) pairs (device int64 tensors), as int64."""
         return self.tokens.view(-1).index_select(0, rows * self.max_len + positions).long()
-
-    def scatter_tokens(self, rows: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> None:
-        self.scatter_tokens_at(rows * self.max_len + positions, token_ids)
 
     def flat_index(self, row: int, position: int) -> int:
         """The index of (row, position) in a flattened table (`tokens_at`, `scatter_tokens_at`,

@@ -142,11 +142,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def forward_silu(self, norm: RMSNorm | None, x: torch.Tensor, residual: torch.Tensor | None = None):
         """(silu(gate) * up for [gate | up] = self(norm(x [+ residual])), the residual stream):
-        forward_normed then the SiLU-and-multiply (x itself through the product without `norm`);
-        one kernel where `folds_silu` and the norm's prologue folds."""
-        if not self.folds_silu(x):
-            gate_up, stream = (self(x), x) if norm is None else self.forward_normed(norm, x, residual)
-            return silu_and_mul(gate_up), stream
+        forward_normed then the SiLU-and-multiply (x itself through the product without `norm`),
+        where `folds_silu(x)`: one kernel where the norm's prologue folds too, else the norm and
+        that kernel."""
         from minfer.kernels.gemv import gate_up_gemv
 
         if norm is not None and norm.weight.dtype == x.dtype and _folds_prologue(x, self.weight, silu=False):
