@@ -5,6 +5,14 @@ graph issues them all at once. Graphs are captured for a ladder of batch sizes u
 `--cuda-graph-max-bs`; a batch runs in the smallest captured size that holds it, padded.
 Padded rows read a reserved page-table row and write their K/V to the pool's scratch page,
 so they never touch a real request's cache.
+
+Without tensor parallelism the graph ends with the draw itself: the Gumbel-max of each row's
+logits at its temperature, written to the token table where the next step reads its input
+(kernels/sampling.py). A batch whose every request draws plainly (sample_step.draws_plainly:
+no logprobs, penalties, bans, grammar or filters) takes those tokens and skips the sampler's
+launches; any other batch samples the graph's logits as before, and that draw overwrites the
+graph's in the token table (the launches run in stream order). MINFER_GRAPH_DRAW=off leaves
+every draw to the sampler, for A/B runs.
 """
 
 from __future__ import annotations
@@ -12,12 +20,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import time
 
 import torch
 
 from minfer.attention.base import AttentionMetadata, ForwardContext
+from minfer.core import Req
 from minfer.engine.decode_inputs import OUT_LOC, SEQ_LENS, DecodeInputs, padding_columns
+from minfer.engine.penalties import banned_tokens
+from minfer.engine.sample_step import draws_plainly
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +109,14 @@ class GraphInputs:
             self.out_loc[n:padded].fill_(self.scratch_slot)
 
 
+def graph_draw_enabled() -> bool:
+    """MINFER_GRAPH_DRAW: "on" (the default) or "off" (see the module's docstring)."""
+    mode = os.environ.get("MINFER_GRAPH_DRAW", "on")
+    if mode not in ("on", "off"):
+        raise ValueError(f"MINFER_GRAPH_DRAW={mode!r}: expected on or off")
+    return mode == "on"
+
+
 def graph_batch_sizes(max_bs: int) -> list[int]:
     sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_bs] + list(range(16, max_bs + 1, 16))
     if sizes[-1] != max_bs:
@@ -129,6 +149,16 @@ class CudaGraphRunner:
         # rows is a per-batch choice (engine/sample_step.py), made after the replay.
         width = engine.model.lm_head.rows_per_rank if engine.tp.size > 1 else engine.vocab_size
         self.logits = torch.empty((self.max_bs, width), dtype=torch.float32, device=dev)
+        # The draw's inputs past the staged positions, and its tokens: the running set's
+        # temperatures and seeds are copied in when the set changes (`_stage_draw`).
+        self.draws = engine.tp.size == 1 and graph_draw_enabled()
+        self.temperature = torch.zeros(self.max_bs, dtype=torch.float32, device=dev)
+        self.seeds = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.tokens = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self._drawing_for = None  # the SamplingTensors.temperature those buffers were copied from
+        self._all_plain = False  # whether every request of that set draws plainly
+        self._min_tokens: list[Req] = []  # those of its requests whose bans may still apply
+        self.drawn_steps = 0  # steps whose tokens the graph drew (tests, A/B runs)
         self.capture()
 
     def _context(self, bs: int) -> ForwardContext:
@@ -147,14 +177,21 @@ class CudaGraphRunner:
 
     def _run(self, bs: int) -> torch.Tensor:
         """The captured step: from the staged vectors, the new slots into the page table, the
-        input tokens out of the token table, then the model and its logits."""
+        input tokens out of the token table, then the model, its logits and the draw."""
         engine, model = self.engine, self.engine.model
         step = DecodeInputs(bs, self.staged[:, :bs])
         input_ids = step.start(engine.page_table, self.meta)
         hidden = model(input_ids, step.positions, self._context(bs))
         if self.engine.tp.size > 1:
             return model.shard_logits(hidden, out=self.logits[:bs])
-        return model.compute_logits(hidden, out=self.logits[:bs])
+        logits = model.compute_logits(hidden, out=self.logits[:bs])
+        if self.draws:
+            from minfer.kernels.sampling import gumbel_argmax
+
+            table = (engine.page_table.tokens.view(-1), step.sampled_to)
+            args = (logits, self.temperature[:bs], self.seeds[:bs], step.sampled_at)
+            gumbel_argmax(*args, out=self.tokens[:bs], table=table)
+        return logits
 
     def capture(self) -> None:
         what = f"CUDA graphs (batch sizes {self.batch_sizes[0]}..{self.max_bs})"
@@ -170,11 +207,30 @@ class CudaGraphRunner:
         """The batch size of the graph a decode step of `batch_size` requests replays."""
         return next(s for s in self.batch_sizes if s >= batch_size)
 
-    def replay(self, step: DecodeInputs) -> torch.Tensor:
-        """Logits of the step's requests, staged into `self.staged` padded to `padded_size`
+    def replay(self, step: DecodeInputs, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits of the step's requests `reqs`, their next tokens if the graph's draw is theirs
+        else None), the step staged into `self.staged` padded to `padded_size`
         (engine/decode_inputs.py), so the padding rows already point at the scratch slot."""
         bs = step.staged.shape[1]
         if step.staged.data_ptr() != self.staged.data_ptr():
             raise ValueError("a graphed decode step must be staged into CudaGraphRunner.staged")
+        drawn = self._stage_draw(step, reqs) if self.draws else None
         self.graphs[bs].replay()
-        return self.logits[: step.n]
+        return self.logits[: step.n], drawn
+
+    def _stage_draw(self, step: DecodeInputs, reqs: list[Req]) -> torch.Tensor | None:
+        """Stage the draw's temperatures and seeds if the running set changed; the buffer its
+        tokens land in if every request draws plainly this step, else None. The host checks
+        each request once per running set (81 us at batch 256) and then only min_tokens."""
+        engine = self.engine
+        st = engine.sampling_tensors.get(reqs, engine.vocab_size, self.device, step.sampled_at)
+        if st.temperature is not self._drawing_for:  # a new set (the cache rebuilt its tensors)
+            self._drawing_for = st.temperature
+            self.temperature[: step.n].copy_(st.temperature)
+            self.seeds[: step.n].copy_(st.seeds)
+            self._all_plain = all(map(draws_plainly, reqs))
+            self._min_tokens = [r for r in reqs if r.params.min_tokens]
+        if self._all_plain and not any(map(banned_tokens, self._min_tokens)):
+            self.drawn_steps += 1
+            return self.tokens[: step.n]
+        return None

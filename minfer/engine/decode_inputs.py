@@ -15,8 +15,8 @@ own at allocation.
 When the step replays a CUDA graph, the copy goes straight into the graph's input buffer (the
 graph reads its vectors from there: engine/cuda_graph.py), `width` is the graph's padded batch
 size, and the padding columns hold what its padding rows need (the padding page-table row,
-sequence length 1, the pool's scratch slot for their K/V), so the device fills nothing. Only the
-first `n` columns of `sampled_at` are read.
+sequence length 1, the pool's scratch slot for their K/V, and for the token the graph draws the
+padding row's own entry of the token table), so the device fills nothing.
 """
 
 from __future__ import annotations
@@ -80,9 +80,10 @@ class DecodeInputs:
 
 def padding_columns(width: int, page_table: PageTable, scratch_slot: int) -> list[list[int]]:
     """What the staged rows hold in a graph's padding columns: the padding page-table row,
-    sequence length 1, the scratch slot for the K/V, and zeros where nothing is read."""
+    sequence length 1, the scratch slot for the K/V, and position 0 of the padding row, which
+    the input is read from and the drawn token written to (never a real request's entry)."""
     flat = page_table.flat_index(page_table.padding_row, 0)
-    return [[v] * width for v in (page_table.padding_row, 1, 0, scratch_slot, flat, 0, 0)]
+    return [[v] * width for v in (page_table.padding_row, 1, 0, scratch_slot, flat, 0, flat)]
 
 
 def stage_decode_inputs(

@@ -21,7 +21,7 @@ from minfer.engine.decode_inputs import stage_decode_inputs
 from minfer.engine.graphs import capture_cuda_graphs
 from minfer.engine.logprobs import LogprobTensors, prompt_logprob_spans, reduce_logprobs, rows_of
 from minfer.engine.memory import MemoryBudget, device_memory_in_use, plan_memory
-from minfer.engine.sample_step import sample_step
+from minfer.engine.sample_step import sample_into_table
 from minfer.engine.sampler import SamplingTensorCache
 from minfer.kvcache.host_pool import HostKVPool, host_available_bytes
 from minfer.kvcache.page_table import PageTable, runs_of_positions
@@ -264,8 +264,9 @@ class Engine:
         prompt_spans = [] if is_decode else prompt_logprob_spans(batch)
         prompt_logprobs = None
         with torch.inference_mode():
+            drawn = None  # the tokens a decode graph drew, where they are the batch's
             if graphed:
-                logits = self.graphs.replay(step)
+                logits, drawn = self.graphs.replay(step, reqs)
             else:
                 extend_lens = list(batch.extend_lens)
                 graphs = self.prefill_graphs  # a prefill pass replays a graph where one holds it
@@ -299,16 +300,10 @@ class Engine:
                     self.model.shard_logits(hidden) if self.tp.size > 1 else self.model.compute_logits(hidden)
                 )
             chosen = [reqs[i] for i in sampled_rows]
-            # A decode step samples every row: its staged positions are then the chosen ones'.
-            sampled_at = step.sampled_at if step is not None and len(chosen) == step.n else None
-            next_tokens, sampled_logprobs, logprob_rows = sample_step(self, chosen, logits, sampled_at)
-            # The sampled token becomes known on the device at position device_len, where the
-            # next decode step's input gather finds it without a trip through the CPU.
-            if sampled_at is not None:
-                self.page_table.scatter_tokens_at(step.sampled_to, next_tokens)
+            if drawn is not None:  # the graph drew them, into the token table too
+                next_tokens, sampled_logprobs, logprob_rows = drawn, None, []
             else:
-                flat = [self.page_table.flat_index(r.table_idx, r.device_len) for r in chosen]
-                self.page_table.scatter_tokens_at(to_device(flat, torch.int64, self.device), next_tokens)
+                next_tokens, sampled_logprobs, logprob_rows = sample_into_table(self, chosen, logits, step)
         result = ForwardResult(
             next_tokens,
             sampled_rows,

@@ -41,6 +41,15 @@ class LogitAdjustments:
     ban_index: torch.Tensor | None = None  # [2, M] int64
 
 
+def banned_tokens(r: Req) -> set[int]:
+    """The tokens min_tokens bans from the token `r` samples now (it lands at device_len, output
+    index device_len - prompt_len): EOS and the stop tokens while the output is shorter."""
+    if r.device_len - r.prompt_len >= r.params.min_tokens:
+        return set()
+    banned = set(r.params.stop_token_ids)
+    return banned if r.params.ignore_eos else banned | r.eos_token_ids
+
+
 def build_adjustments(
     reqs: list[Req], page_table: PageTable, vocab_size: int, device: torch.device
 ) -> LogitAdjustments | None:
@@ -53,14 +62,9 @@ def build_adjustments(
             bias_rows.append(i)
             bias_tokens.append(token)
             bias_values.append(value)
-        # The token sampled now lands at device_len: output index device_len - prompt_len.
-        if r.device_len - r.prompt_len < r.params.min_tokens:
-            banned = set(r.params.stop_token_ids)
-            if not r.params.ignore_eos:
-                banned |= r.eos_token_ids
-            for token in banned:
-                ban_rows.append(i)
-                ban_tokens.append(token)
+        for token in banned_tokens(r):
+            ban_rows.append(i)
+            ban_tokens.append(token)
     if not (penalised or bias_rows or ban_rows):
         return None
     adj = LogitAdjustments()

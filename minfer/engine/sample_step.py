@@ -16,6 +16,7 @@ import torch
 
 from minfer.core import Req
 from minfer.device import to_device
+from minfer.engine.decode_inputs import DecodeInputs
 from minfer.engine.logprobs import LogprobTensors, reduce_logprobs
 from minfer.engine.penalties import apply_adjustments, build_adjustments
 from minfer.engine.sampler import filters_apply, sample
@@ -23,6 +24,17 @@ from minfer.engine.vocab_parallel import sample_vocab_parallel
 
 if TYPE_CHECKING:
     from minfer.engine.engine import Engine
+
+
+def draws_plainly(r: Req) -> bool:
+    """Whether `r`'s tokens are the plain draw, the Gumbel-max of its raw logits at its
+    temperature (the argmax at 0), at every position where min_tokens bans nothing
+    (penalties.banned_tokens): no logprobs, penalties, logit bias, grammar, top-k, top-p or
+    min-p. Fixed for the request's life. A decode graph draws such tokens itself
+    (engine/cuda_graph.py)."""
+    p = r.params
+    plain = p.logprobs is None and not p.has_penalties and not p.logit_bias and not filters_apply(p)
+    return plain and r.grammar is None
 
 
 def sample_step(
@@ -62,4 +74,21 @@ def sample_step(
         targets = next_tokens[to_device(logprob_rows, torch.int64, engine.device)]
         k = max(chosen[j].params.logprobs for j in logprob_rows)
         sampled_logprobs = reduce_logprobs(raw_logits, targets, k)
+    return next_tokens, sampled_logprobs, logprob_rows
+
+
+def sample_into_table(
+    engine: Engine, chosen: list[Req], logits: torch.Tensor, step: DecodeInputs | None
+) -> tuple[torch.Tensor, LogprobTensors | None, list[int]]:
+    """sample_step, and each token written into the token table at its position (the request's
+    device_len), where the next decode step's input gather finds it without a trip through the
+    CPU. `step`: a decode step's staged inputs (it samples every row), else None."""
+    if step is not None and len(chosen) == step.n:
+        sampled_at, flat = step.sampled_at, step.sampled_to
+    else:
+        sampled_at = None
+        flat = [engine.page_table.flat_index(r.table_idx, r.device_len) for r in chosen]
+        flat = to_device(flat, torch.int64, engine.device)
+    next_tokens, sampled_logprobs, logprob_rows = sample_step(engine, chosen, logits, sampled_at)
+    engine.page_table.scatter_tokens_at(flat, next_tokens)
     return next_tokens, sampled_logprobs, logprob_rows

@@ -103,15 +103,27 @@ def _gumbel_argmax_chunk_kernel(
 
 @triton.jit
 def _pick_best_chunk_kernel(
-    best_val_ptr, best_idx_ptr, out_ptr, out_val_ptr, num_chunks, BLOCK_C: tl.constexpr
+    best_val_ptr,
+    best_idx_ptr,
+    out_ptr,
+    out_val_ptr,
+    table_ptr,
+    table_at_ptr,
+    num_chunks,
+    BLOCK_C: tl.constexpr,
+    WRITE_TABLE: tl.constexpr,
 ):
-    """Pass 2, grid (row,): the token of the best chunk (the first of equal ones) and its value."""
+    """Pass 2, grid (row,): the token of the best chunk (the first of equal ones) and its value;
+    with WRITE_TABLE also the token (int32) at flat index table_at[row] of the token table."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     vals = tl.load(best_val_ptr + row * num_chunks + offs, mask=offs < num_chunks, other=float("-inf"))
     best = tl.argmax(vals, 0)
-    tl.store(out_ptr + row, tl.load(best_idx_ptr + row * num_chunks + best).to(tl.int64))
+    token = tl.load(best_idx_ptr + row * num_chunks + best)
+    tl.store(out_ptr + row, token.to(tl.int64))
     tl.store(out_val_ptr + row, tl.max(vals, 0))
+    if WRITE_TABLE:
+        tl.store(table_ptr + tl.load(table_at_ptr + row), token.to(tl.int32))
 
 
 def gumbel_argmax(
@@ -120,9 +132,13 @@ def gumbel_argmax(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     chunk: int | None = None,
+    out: torch.Tensor | None = None,
+    table: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """logits [B, V] float32 (last dim contiguous) -> sampled token ids [B] int64."""
-    return gumbel_best(logits, temperature, seeds, positions, chunk=chunk)[0]
+    """logits [B, V] float32 (last dim contiguous) -> sampled token ids [B] int64, into `out`
+    when given. `table`: (the flattened int32 token table, [B] int64 flat indices) where each
+    row's token is also written, in the same launch (a decode graph's draw: engine/cuda_graph.py)."""
+    return gumbel_best(logits, temperature, seeds, positions, chunk=chunk, out=out, table=table)[0]
 
 
 def gumbel_best(
@@ -132,12 +148,16 @@ def gumbel_best(
     positions: torch.Tensor,
     col_offset: int = 0,
     chunk: int | None = None,
+    out: torch.Tensor | None = None,
+    table: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(column [B] int64, perturbed value [B] float32) of each row's winner; the columns of
     `logits` are vocabulary entries col_offset.. (see the chunk kernel). `chunk`: entries per
-    program (a multiple of BLOCK), else `chunk_for`'s."""
+    program (a multiple of BLOCK), else `chunk_for`'s. `out`, `table`: as in gumbel_argmax."""
     batch, vocab = logits.shape
-    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    table_values, table_at = table if table is not None else (out, out)  # unread without a table
     out_val = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch:
         chunk = chunk or chunk_for(batch, vocab, logits.device)
@@ -164,8 +184,11 @@ def gumbel_best(
             best_idx,
             out,
             out_val,
+            table_values,
+            table_at,
             num_chunks,
             BLOCK_C=triton.next_power_of_2(num_chunks),
+            WRITE_TABLE=table is not None,
             num_warps=1,
         )
     return out, out_val

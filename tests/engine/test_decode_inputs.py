@@ -25,6 +25,7 @@ def test_columns_hold_each_request_and_the_padding_rows_what_a_graph_needs():
     # flat token-table indices: row * max_len + position, for the input and the sampled token
     assert step.input_at.tolist() == [5 * 50 + 10, 2 * 50, 7 * 50 + 33, 9 * 50]
     assert step.sampled_to.tolist() == [5 * 50 + 11, 2 * 50 + 1, 7 * 50 + 34]
+    assert step.staged[-1, 3] == 9 * 50  # a graph's padding row writes its drawn token in its own row
     assert step.meta.tolist() == [step.table_idx.tolist(), step.seq_lens.tolist()]
     assert step.table_idx.dtype == step.meta.dtype == torch.int64
 
@@ -41,7 +42,7 @@ def test_a_graph_buffer_is_staged_in_place_and_keeps_its_padding_beyond_the_widt
     step = stage_decode_inputs(reqs, [40], 2, table, scratch_slot=77, device=torch.device("cpu"), into=buffer)
     assert step.staged.data_ptr() == buffer.data_ptr() and step.staged.shape == (7, 2)
     assert buffer[:, 0].tolist() == [3, 7, 6, 40, 3 * 50 + 6, 7, 3 * 50 + 7]
-    assert buffer[:, 1].tolist() == buffer[:, 7].tolist() == [9, 1, 0, 77, 9 * 50, 0, 0]
+    assert buffer[:, 1].tolist() == buffer[:, 7].tolist() == [9, 1, 0, 77, 9 * 50, 0, 9 * 50]
 
 
 def test_a_decode_step_writes_its_slots_where_allocation_left_the_device_table_alone():

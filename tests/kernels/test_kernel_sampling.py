@@ -85,3 +85,31 @@ def test_gumbel_best_over_vocabulary_shards(device):
     ]
     assert winners == expected
     assert parts[0][1][0] == logits[0, :half].max()  # a greedy row's value is its raw logit
+
+
+def test_the_draw_writes_each_token_into_the_token_table_and_out(device):
+    """With `table`, pass 2 also stores each row's token (int32) at its flat index of the token
+    table, and nothing else there: the decode graph's draw, which feeds the next step's input."""
+    torch.manual_seed(2)
+    batch, vocab = 3, 2500
+    logits = torch.randn(batch, vocab) * 2
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.8, 1.2)]
+    st = SamplingTensors.build(params, [4, 5, 6], [9, 9, 9], vocab, torch.device("cpu"))
+    tokens = torch.full((4, 16), -1, dtype=torch.int32, device=device)
+    at = torch.tensor([1 * 16 + 9, 3 * 16 + 2, 0 * 16 + 15], device=device)
+    out = torch.full((8,), -7, dtype=torch.int64, device=device)
+    drawn = gumbel_argmax(
+        logits.to(device),
+        st.temperature.to(device),
+        st.seeds.to(device),
+        st.positions.to(device),
+        out=out[:batch],
+        table=(tokens.view(-1), at),
+    )
+    expected = sample(logits, st).tolist()
+    assert drawn.data_ptr() == out.data_ptr() and out.tolist() == expected + [-7] * 5
+    flat = tokens.view(-1).cpu()
+    assert flat[at.cpu()].tolist() == expected
+    untouched = torch.ones(flat.numel(), dtype=torch.bool)
+    untouched[at.cpu()] = False
+    assert (flat[untouched] == -1).all()
