@@ -28,13 +28,15 @@ import triton.language as tl
 
 from minfer.kernels.attention_merge import merge_splits
 from minfer.kernels.common import (
+    CHAIN_ROWS,
     attend_blocks,
     fp8_pool_operand,
     num_sms,
     pdl_args,
     pdl_start,
+    prefetch_l2,
 )
-from minfer.kernels.new_kv import NewKV, decode_prologue_args, finish_decode_token
+from minfer.kernels.new_kv import NewKV, decode_prologue_args, finish_decode_token, rope_factors
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -50,6 +52,7 @@ NUM_STAGES = 3
 # programs per SM, too few loads in flight (ncu, B=256: 2.40 TB/s). Capped at 168 three fit, no
 # spills: 218 -> 185 us at B=256 (128 spills: 209 us). scripts/gpu_decode_layout.py --registers.
 FP8_MAX_REGISTERS = 168
+CACHE_LINE = 128  # bytes: the granule of the first key block's L2 prefetch
 
 
 @triton.jit
@@ -101,8 +104,10 @@ def _decode_split_kernel(
     PDL_RELEASE: tl.constexpr,
     PDL_WAIT: tl.constexpr,
     WINDOW: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    LINES: tl.constexpr,
+    LINE_ELEMENTS: tl.constexpr,
 ):
-    pdl_start(PDL_RELEASE, PDL_WAIT)  # the merge, or o_proj's gemv, may start meanwhile
     # Grid (kv head, request, split), kv head fastest: one request's heads, which read nearby parts
     # of the same slot rows, run side by side. H200, graph-timed, Qwen3-0.6B heads, B=256 ctx~1024
     # (scripts/gpu_decode_layout.py): bf16 254.8 -> 250.7 us, fp8 217.8 -> 213.8 against the
@@ -112,6 +117,11 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(0)
 
+    # Until pdl_start this reads only what no kernel of the step writes: the lengths, page table,
+    # positions and slots the host staged, the cos/sin table, and the slots of the first key
+    # block, whose K and V rows (written by earlier steps) it asks L2 for. Launched early (batch
+    # <= CHAIN_ROWS), the kernel does this while the qkv product runs, so the chain after the
+    # wait (length -> page table -> slots -> keys) starts at the keys, from L2.
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(table_idx_ptr + b).to(tl.int64)
     first = 0  # the first key the new token sees: with a sliding window, seq_len - WINDOW
@@ -127,13 +137,6 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_h
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
-    # this split's rows of the partials, contiguous [B, Hq, num_splits, HEAD_DIM] and [B, Hq, num_splits]
-    lse_idx = (b * GROUP * num_kv_heads + heads) * num_splits + split
-    if not DIRECT_OUT:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if start >= end:  # a slice past the end of a short sequence: the merge weighs it zero
-            tl.store(part_lse_ptr + lse_idx, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_mask)
-            return
-
     page_row = page_table_ptr + row * stride_page_row
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
@@ -142,8 +145,30 @@ def _decode_split_kernel(
     if KV_SCALED:
         k_scale = tl.load(k_scale_ptr + kv_head)
         v_scale = tl.load(v_scale_ptr + kv_head)
-    if NEW_KV:  # q, k, v as the qkv projection left them: rope_store's work happens here
+    if NEW_KV:
         slot = tl.load(out_loc_ptr + b).to(tl.int64)
+        position = tl.load(positions_ptr + b).to(tl.int64)
+        cos, signed_sin = rope_factors(
+            cos_sin_ptr, position, stride_cs, offs_d, d_mask, HEAD_DIM // 2, q_ptr.dtype.element_ty
+        )
+    if PREFETCH:
+        first_keys = start + offs_n
+        in_slice = first_keys < end
+        first_slots = tl.load(page_row + first_keys, mask=in_slice, other=0).to(tl.int64)
+        offs_line = tl.arange(0, LINES) * LINE_ELEMENTS  # one address per 128-byte line of a row
+        lines = in_slice[:, None] & (offs_line < HEAD_DIM)[None, :]
+        prefetch_l2(k_head + first_slots[:, None] * stride_ks + offs_line[None, :], lines)
+        prefetch_l2(v_head + first_slots[:, None] * stride_vs + offs_line[None, :], lines)
+
+    pdl_start(PDL_RELEASE, PDL_WAIT)  # the merge, or o_proj's gemv, may start meanwhile
+    # this split's rows of the partials, contiguous [B, Hq, num_splits, HEAD_DIM] and [B, Hq, num_splits]
+    lse_idx = (b * GROUP * num_kv_heads + heads) * num_splits + split
+    if not DIRECT_OUT:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if start >= end:  # a slice past the end of a short sequence: the merge weighs it zero
+            tl.store(part_lse_ptr + lse_idx, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_mask)
+            return
+
+    if NEW_KV:  # q, k, v as the qkv projection left them: rope_store's work happens here
         newest = seq_len - 1
         q = finish_decode_token(
             q_ptr + b * stride_qb,
@@ -155,9 +180,8 @@ def _decode_split_kernel(
             k_head + slot * stride_ks,
             v_head + slot * stride_vs,
             (start <= newest) & (newest < end),
-            tl.load(positions_ptr + b).to(tl.int64),
-            cos_sin_ptr,
-            stride_cs,
+            cos,
+            signed_sin,
             q_weight_ptr,
             k_weight_ptr,
             eps,
@@ -325,6 +349,9 @@ def decode_attention(
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
         WINDOW=window or 0,
+        PREFETCH=batch <= CHAIN_ROWS,
+        LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_pool.element_size(), CACHE_LINE)),
+        LINE_ELEMENTS=CACHE_LINE // k_pool.element_size(),
         **register_cap,
         **pdl_args(q.device, batch),
     )

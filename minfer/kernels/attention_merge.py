@@ -37,12 +37,14 @@ def _decode_merge_kernel(
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all: output 0, not NaN
     weights = tl.exp2(lse - lse_max)
-    live = lse > float("-inf")  # empty splits are not even read
+    # Every split's partial output is loaded beside the log-sum-exps rather than after them (a
+    # second round trip); an empty split's was never written, so it is zeroed, not weighed.
     parts = tl.load(
         part_out_ptr + (base + offs_s)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
-        mask=live[:, None] & (offs_d[None, :] < HEAD_DIM),
+        mask=(offs_s < num_splits)[:, None] & (offs_d[None, :] < HEAD_DIM),
         other=0.0,
     )
+    parts = tl.where((lse > float("-inf"))[:, None], parts, 0.0)
     total = tl.sum(weights, 0)
     total = tl.where(total > 0, total, 1.0)
     o = tl.sum(parts * weights[:, None], 0) / total

@@ -19,8 +19,11 @@ INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 # MINFER_PDL: "1" (the default) chains launches of at most CHAIN_ROWS rows and releases the rest;
 # "chain" chains every launch, "release" none (the fifteenth session's default), "0" turns
-# programmatic dependent launch off; the last three are for A/B runs.
-_PDL_MODES = ("0", "release", "1", "chain")
+# programmatic dependent launch off; "early" chains as "1" does, and each chained kernel lets the
+# next one start before its own wait (see pdl_start); the others are for A/B runs.
+_PDL_MODES = ("0", "release", "1", "early", "chain")
+# Read at import, as a compile-time constant of every kernel that calls pdl_start.
+EARLY_RELEASE = tl.constexpr(os.environ.get("MINFER_PDL", "1") == "early")
 # Chained (launched early, waiting at the first statement) only up to this many rows: there the
 # gemv between the kernels reads its weights early too and a step is mostly kernel boundaries
 # (H200, batch-1 graph 0.96 -> 0.83 ms for Qwen3-0.6B). From 4 rows up the products are the
@@ -59,7 +62,7 @@ def _pdl_args(device: torch.device, few_rows: bool) -> types.MappingProxyType:
     # cached and read-only: it is unpacked into every launch of those kernels
     release = pdl_enabled(device)
     mode = _pdl_mode()
-    chained = release and (mode == "chain" or (mode == "1" and few_rows))
+    chained = release and (mode == "chain" or (mode in ("1", "early") and few_rows))
     return types.MappingProxyType(
         {"PDL_RELEASE": release, "PDL_WAIT": chained, **({"launch_pdl": True} if chained else {})}
     )
@@ -73,18 +76,46 @@ def reset_pdl_choice() -> None:
 
 @triton.jit
 def pdl_start(PDL_RELEASE: tl.constexpr, PDL_WAIT: tl.constexpr):
-    """The first statement of a kernel that takes `pdl_args` (the gemv calls it after reading its
-    constant weights). PDL_WAIT: this kernel was launched early (programmatic dependent launch)
-    and blocks here until the previous kernel has finished and its writes are visible, before
-    it reads or writes anything the previous kernels touch. PDL_RELEASE: then
-    let the next kernel on the stream start if it was launched with the attribute (the gemv
-    after an RMSNorm, a SiLU-and-multiply or attention reads its weights meanwhile and waits
-    for this kernel's writes with its own `gdc_wait`). Kernels launched without the attribute
-    still start only when this one has finished."""
+    """The first statement of a kernel that takes `pdl_args`, after whatever it reads that no
+    earlier kernel of the step writes (a gemv's weights, the decode kernel's page-table row).
+    PDL_WAIT: this kernel was launched early (programmatic dependent launch) and blocks here
+    until the previous kernel has finished and its writes are visible, before it reads or
+    writes anything the previous kernels touch. PDL_RELEASE: let the next kernel on the stream
+    start if it was launched with the attribute (the gemv after an RMSNorm, a SiLU-and-multiply
+    or attention reads its weights meanwhile and waits for this kernel's writes with its own
+    `gdc_wait`). Kernels launched without the attribute still start only when this one has
+    finished.
+
+    The release comes after the wait, so at most two kernels run at once, unless EARLY_RELEASE
+    (MINFER_PDL=early) puts it first: then the next kernel may start its own early reads while
+    this one still waits, and a chain of launches fills the SMs as far as their registers
+    allow. Both orders are safe for the same reason: a kernel's wait returns only when the
+    kernel before it has finished, which is after that kernel's own wait returned."""
+    if PDL_RELEASE:
+        if EARLY_RELEASE:
+            tl.extra.cuda.gdc_launch_dependents()
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
     if PDL_RELEASE:
-        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY_RELEASE:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Ask for the cache lines at `ptrs` (where `mask`) to be brought into L2, without waiting
+    for them or holding registers: a kernel launched early (pdl_start) does this before its wait
+    for data that no earlier kernel of the step writes, so its first loads after the wait come
+    from L2 rather than DRAM. A hint only; compiled out under the interpreter."""
+    if not INTERPRET:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [ptrs, mask.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 def matmul_operands(

@@ -121,9 +121,8 @@ def finish_decode_token(
     k_dst,
     v_dst,
     write_kv,
-    pos,
-    cos_sin_ptr,
-    stride_cs,
+    cos,
+    signed_sin,
     q_weight_ptr,
     k_weight_ptr,
     eps,
@@ -139,9 +138,9 @@ def finish_decode_token(
     """rope_store's work for one decode token and one kv head, inside the decode attention
     kernel (attention_decode.py): returns the group's q rows normalised and rotated, and, when
     `write_kv` (the program whose key slice holds the new position), writes the head's new k
-    and v to their slot first. Same helpers, same rounding as the rope_store kernel."""
-    dtype = q_rows.dtype.element_ty
-    cos, signed_sin = rope_factors(cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HEAD_DIM // 2, dtype)
+    and v to their slot first. Same helpers, same rounding as the rope_store kernel; `cos` and
+    `signed_sin` are `rope_factors` of the token's position, which the caller reads before its
+    wait for q (they depend only on the step's staged positions)."""
     q = finish_heads(
         q_rows,
         stride_qh,
