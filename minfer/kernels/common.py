@@ -89,16 +89,17 @@ def pdl_start(PDL_RELEASE: tl.constexpr, PDL_WAIT: tl.constexpr):
     The release comes after the wait, so at most two kernels run at once, unless EARLY_RELEASE
     (MINFER_PDL=early) puts it first: then the next kernel may start its own early reads while
     this one still waits, and a chain of launches fills the SMs as far as their registers
-    allow. Both orders are safe for the same reason: a kernel's wait returns only when the
-    kernel before it has finished, which is after that kernel's own wait returned."""
-    if PDL_RELEASE:
-        if EARLY_RELEASE:
-            tl.extra.cuda.gdc_launch_dependents()
+    allow. Both orders are safe for what a kernel reads after its wait, for the same reason: a
+    kernel's wait returns only when the kernel before it has finished, which is after that
+    kernel's own wait returned. What a kernel reads before its wait must not be written by any
+    kernel that can still be running under either order: only what the host staged, or what
+    the step's first launch (decode_step, which releases nothing) wrote."""
+    if PDL_RELEASE and EARLY_RELEASE:
+        tl.extra.cuda.gdc_launch_dependents()
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
-    if PDL_RELEASE:
-        if not EARLY_RELEASE:
-            tl.extra.cuda.gdc_launch_dependents()
+    if PDL_RELEASE and not EARLY_RELEASE:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
