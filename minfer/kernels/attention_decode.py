@@ -7,7 +7,10 @@ Two passes, so that a single long request still spreads over the whole GPU:
       online softmax for all the query heads that share this kv head (GQA: the group's
       queries are the rows of one small matrix, so each K/V row is read once per group).
       It writes its normalised partial output and its log-sum-exp (base 2).
-  pass 2, grid (request, q head): merges the splits by their log-sum-exp (attention_merge.py).
+  pass 2: the splits merged by their log-sum-exp (attention_merge.py). By default inside pass
+      1: the last live split of each (request, kv head) to finish, counted by an arrival
+      counter, merges its group (no launch between the attention and o_proj); with
+      MINFER_DECODE_MERGE=launch, a launch of its own, grid (request, q head).
 
 Pass 1 can also do rope_store's work in its prologue (`new_kv`, used for small decode batches:
 attention/triton_backend.py says when): each program normalises and rotates its q group, and
@@ -22,13 +25,16 @@ With one split the first pass writes the output directly.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.attention_merge import merge_splits
+from minfer.kernels.attention_merge import merge_group_splits, merge_splits
 from minfer.kernels.common import (
     CHAIN_ROWS,
+    arrival_counters,
     attend_blocks,
     fp8_pool_operand,
     num_sms,
@@ -53,6 +59,14 @@ NUM_STAGES = 3
 # spills: 218 -> 185 us at B=256 (128 spills: 209 us). scripts/gpu_decode_layout.py --registers.
 FP8_MAX_REGISTERS = 168
 CACHE_LINE = 128  # bytes: the granule of the first key block's L2 prefetch
+# With splits, the last live split of each (request, kv head) to finish merges the group's
+# partials itself (attention_merge.merge_group_splits) instead of a merge launch after the
+# kernel. MINFER_DECODE_MERGE=launch keeps the separate launch, for A/B runs.
+DECODE_MERGE = os.environ.get("MINFER_DECODE_MERGE", "fold")
+if DECODE_MERGE not in ("fold", "launch"):
+    raise ValueError(f"MINFER_DECODE_MERGE={DECODE_MERGE!r}: expected fold or launch")
+FOLD_COUNTERS = 4096  # arrival counters, one per (request, kv head); more pairs merge by launch
+FOLD_CHUNK_VALUES = 32 * 128  # a chunk of partials the folded merge loads at once: 32 per thread
 
 
 @triton.jit
@@ -63,6 +77,7 @@ def _decode_split_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    counter_ptr,
     page_table_ptr,
     table_idx_ptr,
     seq_lens_ptr,
@@ -95,6 +110,10 @@ def _decode_split_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
+    FOLD_MERGE: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr,
     KV_SCALED: tl.constexpr,
     NEW_KV: tl.constexpr,
     HAS_NORM: tl.constexpr,
@@ -130,6 +149,8 @@ def _decode_split_kernel(
     chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
     start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    # the splits whose slices hold keys; at least split 0, which also answers a request with none
+    live = tl.maximum(tl.cdiv(seq_len - first, tl.maximum(chunk, 1)), 1)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -163,7 +184,10 @@ def _decode_split_kernel(
     pdl_start(PDL_RELEASE, PDL_WAIT)  # the merge, or o_proj's gemv, may start meanwhile
     # this split's rows of the partials, contiguous [B, Hq, num_splits, HEAD_DIM] and [B, Hq, num_splits]
     lse_idx = (b * GROUP * num_kv_heads + heads) * num_splits + split
-    if not DIRECT_OUT:  # noqa: SIM102 (a compile-time branch around a run-time one)
+    if FOLD_MERGE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if split >= live:  # past the end of a short sequence: the folded merge never reads it
+            return
+    elif not DIRECT_OUT:  # noqa: SIM102
         if start >= end:  # a slice past the end of a short sequence: the merge weighs it zero
             tl.store(part_lse_ptr + lse_idx, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_mask)
             return
@@ -246,6 +270,29 @@ def _decode_split_kernel(
     else:
         tl.store(part_out_ptr + lse_idx[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], o, mask=hd_mask)
         tl.store(part_lse_ptr + lse_idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=h_mask)
+        if FOLD_MERGE:  # the last live split of this (request, kv head) to finish merges them
+            tl.debug_barrier()  # every thread's stores precede the arrival (release) that publishes them
+            counter = counter_ptr + b * num_kv_heads + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == live - 1:
+                group_row = (b * GROUP * num_kv_heads + kv_head * GROUP) * num_splits  # its first lse
+                merge_group_splits(
+                    out_ptr + b * stride_ob + kv_head * GROUP * stride_oh,
+                    part_out_ptr + group_row.to(tl.int64) * HEAD_DIM,
+                    part_lse_ptr + group_row,
+                    stride_oh,
+                    num_splits,
+                    live,
+                    offs_d,
+                    d_mask,
+                    GROUP,
+                    GROUP_P2,
+                    BLOCK_S,
+                    CHUNK_S,
+                    HEAD_DIM,
+                    BLOCK_D,
+                )
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
 
 def choose_num_splits(
@@ -277,6 +324,7 @@ def decode_attention(
     v_scale: torch.Tensor | None = None,
     new_kv: NewKV | None = None,
     window: int | None = None,
+    fold_merge: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its cached keys [0, seq_lens[b]), or with a
     sliding `window` over the last `window` of them.
@@ -288,6 +336,7 @@ def decode_attention(
     the real one divided by its head's scale (KVPool's format).
     With `new_kv`, q is not yet normalised or rotated and the pool does not yet hold position
     seq_lens[b] - 1: the kernel does rope_store's work first (one launch fewer per layer).
+    `fold_merge` (default: MINFER_DECODE_MERGE) merges the splits inside the kernel.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
@@ -310,6 +359,12 @@ def decode_attention(
         part_out = part_lse = out  # unused: pass 1 writes the output itself
     if batch == 0:
         return out
+    if fold_merge is None:
+        fold_merge = DECODE_MERGE == "fold"
+    fold_merge = fold_merge and num_splits > 1 and batch * num_kv_heads <= FOLD_COUNTERS
+    counters = arrival_counters(q.device, "decode_merge", FOLD_COUNTERS) if fold_merge else seq_lens
+    group_p2 = triton.next_power_of_2(group)
+    block_s = triton.next_power_of_2(num_splits)
     prologue, prologue_strides = decode_prologue_args(new_kv, q, seq_lens)
     register_cap = {"maxnreg": FP8_MAX_REGISTERS} if k_scale is not None and FP8_MAX_REGISTERS else {}
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
@@ -319,6 +374,7 @@ def decode_attention(
         out,
         part_out,
         part_lse,
+        counters,
         page_table,
         table_idx,
         seq_lens,
@@ -340,6 +396,10 @@ def decode_attention(
         GROUP=group,
         HEAD_DIM=head_dim,
         DIRECT_OUT=num_splits == 1,
+        FOLD_MERGE=fold_merge,
+        GROUP_P2=group_p2,
+        BLOCK_S=block_s,
+        CHUNK_S=min(block_s, max(1, FOLD_CHUNK_VALUES // (group_p2 * block_d))),
         KV_SCALED=k_scale is not None,
         NEW_KV=new_kv is not None,
         HAS_NORM=new_kv is not None and new_kv.q_norm_weight is not None,
@@ -355,6 +415,6 @@ def decode_attention(
         **register_cap,
         **pdl_args(q.device, batch),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fold_merge:
         merge_splits(out, part_out, part_lse)
     return out

@@ -74,6 +74,18 @@ def reset_pdl_choice() -> None:
     _pdl_args.cache_clear()
 
 
+@functools.cache
+def arrival_counters(device: torch.device, user: str, count: int) -> torch.Tensor:
+    """A zeroed int32 buffer of `count` arrival counters on `device`, one buffer per `user` (a
+    kernel kind). A kernel whose last program to arrive finishes the work (the split-K GEMM's
+    sum, the router's selection, decode attention's folded merge) counts arrivals here and that
+    program puts its counter back to zero, so the buffer is zero between launches and a CUDA
+    graph can replay them. Launches on one stream never touch a counter at the same time: each
+    does so only after its programmatic-launch wait (pdl_start). The first call must come
+    before any graph capture (the warm-up does it), or the zeroing would be captured."""
+    return torch.zeros(count, dtype=torch.int32, device=device)
+
+
 @triton.jit
 def pdl_start(PDL_RELEASE: tl.constexpr, PDL_WAIT: tl.constexpr):
     """The first statement of a kernel that takes `pdl_args`, after whatever it reads that no

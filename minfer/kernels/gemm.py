@@ -22,13 +22,11 @@ Rows of x may be strided (views of a larger activation); the last dim must be co
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import dot, matmul_operands, num_sms
+from minfer.kernels.common import arrival_counters, dot, matmul_operands, num_sms
 
 # Where this kernel was measured to match or beat cuBLAS on an H200 (scripts/gpu_check.py
 # --gemm): up to 64 rows, weights up to Qwen3-0.6B's largest (gate_up, 6144 x 1024), and
@@ -120,11 +118,6 @@ def _gemm_kernel(
         )
 
 
-@functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
-    return torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-
-
 def choose_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [k, n] GEMM.
 
@@ -173,7 +166,7 @@ def linear(
         bias if bias is not None else out,
         out,
         partials,
-        _counters(x.device),
+        arrival_counters(x.device, "gemm", _MAX_TILES),
         m,
         n,
         k,

@@ -15,11 +15,11 @@ a 2.2 us selection per layer).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from minfer.kernels.common import arrival_counters
 
 
 @triton.jit
@@ -139,12 +139,6 @@ FUSED_MAX_TOKENS = 256  # decode sizes; beyond, the GEMM and the selection launc
 _EXPERTS_PER_PROGRAM = 2  # many programs of a short dot each: the GEMV is latency-bound at batch 1
 
 
-@functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
-    # one arrival counter per token, back at zero after every launch
-    return torch.zeros(FUSED_MAX_TOKENS, dtype=torch.int32, device=device)
-
-
 def route_top_k_fused(
     x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +156,7 @@ def route_top_k_fused(
             x,
             router_weight,
             logits,
-            _counters(x.device),
+            arrival_counters(x.device, "router", FUSED_MAX_TOKENS),  # one per token
             weights,
             ids,
             num_experts,
