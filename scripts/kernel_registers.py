@@ -36,7 +36,7 @@ from triton.compiler import ASTSource
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from minfer.kernels import attention_decode, attention_extend, gemv  # noqa: E402
+from minfer.kernels import attention_decode, attention_extend, decode_split_kernel, gemv  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536
@@ -50,6 +50,7 @@ INDEX_ARGS = (
     "positions_ptr",
     "out_loc_ptr",
     "tiles_ptr",
+    "counter_ptr",
 )
 
 
@@ -123,11 +124,21 @@ def cases():
     ad, ae = attention_decode, attention_extend
     for pool, scaled in (("bf16", False), ("fp8e4nv", True)):
         block_n = ad.FP8_BLOCK_N if scaled else ad.BLOCK_N
-        for splits, new_kv, window in ((1, False, 0), (4, False, 0), (4, True, 0), (4, True, 4096)):
+        cases = ((1, False, 0, False), (4, False, 0, False), (4, True, 0, False), (4, True, 0, True))
+        for splits, new_kv, window, fold in (*cases, (4, True, 4096, False)):
             constexprs = dict(
                 GROUP=2,
                 HEAD_DIM=128,
                 DIRECT_OUT=splits == 1,
+                FOLD_MERGE=fold,
+                GROUP_P2=2,
+                BLOCK_S=64,  # batch 1 of Qwen3-0.6B: 33 splits, 16 to a chunk of the merge
+                CHUNK_S=16,
+                PDL_RELEASE=True,
+                PDL_WAIT=new_kv,
+                PREFETCH=new_kv,
+                LINES=2 if scaled else 4,
+                LINE_ELEMENTS=128 if scaled else 64,
                 KV_SCALED=scaled,
                 NEW_KV=new_kv,
                 HAS_NORM=new_kv,
@@ -140,10 +151,18 @@ def cases():
                 constexprs["num_splits"] = 1  # Triton specializes an int argument equal to 1
             label = (
                 f"decode {pool:7s} {'1 split' if splits == 1 else 'splits'}{' +prologue' if new_kv else ''}"
-                f"{' window' if window else ''}"
+                f"{' window' if window else ''}{' fold' if fold else ''}"
             )
             engine_cap = ad.FP8_MAX_REGISTERS if scaled else None
-            yield label, ad._decode_split_kernel, pool, constexprs, ad.NUM_WARPS, ad.NUM_STAGES, engine_cap
+            yield (
+                label,
+                decode_split_kernel.decode_split_kernel,
+                pool,
+                constexprs,
+                ad.NUM_WARPS,
+                ad.NUM_STAGES,
+                engine_cap,
+            )
     for pool, scaled in (("bf16", False), ("fp8e4nv", True)):
         for config_name, config in (
             ("short", ae.SHORT_CONFIGS["fp8" if scaled else "bf16"]),
