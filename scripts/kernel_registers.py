@@ -50,7 +50,6 @@ INDEX_ARGS = (
     "positions_ptr",
     "out_loc_ptr",
     "tiles_ptr",
-    "counter_ptr",
 )
 
 
@@ -124,16 +123,11 @@ def cases():
     ad, ae = attention_decode, attention_extend
     for pool, scaled in (("bf16", False), ("fp8e4nv", True)):
         block_n = ad.FP8_BLOCK_N if scaled else ad.BLOCK_N
-        cases = ((1, False, 0, False), (4, False, 0, False), (4, True, 0, False), (4, True, 0, True))
-        for splits, new_kv, window, fold in (*cases, (4, True, 4096, False)):
+        for splits, new_kv, window in ((1, False, 0), (4, False, 0), (4, True, 0), (4, True, 4096)):
             constexprs = dict(
                 GROUP=2,
                 HEAD_DIM=128,
                 DIRECT_OUT=splits == 1,
-                FOLD_MERGE=fold,
-                GROUP_P2=2,
-                BLOCK_S=64,  # batch 1 of Qwen3-0.6B: 33 splits, 16 to a chunk of the merge
-                CHUNK_S=16,
                 PDL_RELEASE=True,
                 PDL_WAIT=new_kv,
                 PREFETCH=new_kv,
@@ -151,7 +145,7 @@ def cases():
                 constexprs["num_splits"] = 1  # Triton specializes an int argument equal to 1
             label = (
                 f"decode {pool:7s} {'1 split' if splits == 1 else 'splits'}{' +prologue' if new_kv else ''}"
-                f"{' window' if window else ''}{' fold' if fold else ''}"
+                f"{' window' if window else ''}"
             )
             engine_cap = ad.FP8_MAX_REGISTERS if scaled else None
             yield (

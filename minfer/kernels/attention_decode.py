@@ -7,10 +7,7 @@ Two passes, so that a single long request still spreads over the whole GPU:
       online softmax for all the query heads that share this kv head (GQA: the group's
       queries are the rows of one small matrix, so each K/V row is read once per group).
       It writes its normalised partial output and its log-sum-exp (base 2).
-  pass 2: the splits merged by their log-sum-exp (attention_merge.py). By default inside pass
-      1: the last live split of each (request, kv head) to finish, counted by an arrival
-      counter, merges its group (no launch between the attention and o_proj); with
-      MINFER_DECODE_MERGE=launch, a launch of its own, grid (request, q head).
+  pass 2, grid (request, q head): merges the splits by their log-sum-exp (attention_merge.py).
 
 Pass 1 can also do rope_store's work in its prologue (`new_kv`, used for small decode batches:
 attention/triton_backend.py says when): each program normalises and rotates its q group, and
@@ -19,20 +16,18 @@ the program whose slice holds the new position writes the new K/V to the pool be
 The split count is fixed per launch from static sizes (a CUDA graph replays the grid it
 captured): the batch size, the number of kv heads and the page table's width. Each program
 derives its slice from `seq_lens` on the device (ceil(seq_len / splits), rounded up to the key
-block); a split past a short sequence's end exits (with the merge launch: after writing lse =
--inf, which the merge weighs zero). With one split the first pass writes the output directly.
+block); a split past a short sequence's end writes lse = -inf and the merge weighs it zero.
+With one split the first pass writes the output directly.
 The kernel itself is in decode_split_kernel.py; this module chooses its launch.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
 from minfer.kernels.attention_merge import merge_splits
-from minfer.kernels.common import CHAIN_ROWS, arrival_counters, num_sms, pdl_args
+from minfer.kernels.common import CHAIN_ROWS, num_sms, pdl_args
 from minfer.kernels.decode_split_kernel import decode_split_kernel
 from minfer.kernels.new_kv import NewKV, decode_prologue_args
 
@@ -51,14 +46,6 @@ NUM_STAGES = 3
 # spills: 218 -> 185 us at B=256 (128 spills: 209 us). scripts/gpu_decode_layout.py --registers.
 FP8_MAX_REGISTERS = 168
 CACHE_LINE = 128  # bytes: the granule of the first key block's L2 prefetch
-# With splits, the last live split of each (request, kv head) to finish merges the group's
-# partials itself (attention_merge.merge_group_splits) instead of a merge launch after the
-# kernel. MINFER_DECODE_MERGE=launch keeps the separate launch, for A/B runs.
-DECODE_MERGE = os.environ.get("MINFER_DECODE_MERGE", "fold")
-if DECODE_MERGE not in ("fold", "launch"):
-    raise ValueError(f"MINFER_DECODE_MERGE={DECODE_MERGE!r}: expected fold or launch")
-FOLD_COUNTERS = 4096  # arrival counters, one per (request, kv head); more pairs merge by launch
-FOLD_CHUNK_VALUES = 32 * 128  # a chunk of partials the folded merge loads at once: 32 per thread
 
 
 def choose_num_splits(
@@ -90,7 +77,6 @@ def decode_attention(
     v_scale: torch.Tensor | None = None,
     new_kv: NewKV | None = None,
     window: int | None = None,
-    fold_merge: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its cached keys [0, seq_lens[b]), or with a
     sliding `window` over the last `window` of them.
@@ -102,7 +88,6 @@ def decode_attention(
     the real one divided by its head's scale (KVPool's format).
     With `new_kv`, q is not yet normalised or rotated and the pool does not yet hold position
     seq_lens[b] - 1: the kernel does rope_store's work first (one launch fewer per layer).
-    `fold_merge` (default: MINFER_DECODE_MERGE) merges the splits inside the kernel.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
@@ -125,12 +110,6 @@ def decode_attention(
         part_out = part_lse = out  # unused: pass 1 writes the output itself
     if batch == 0:
         return out
-    if fold_merge is None:
-        fold_merge = DECODE_MERGE == "fold"
-    fold_merge = fold_merge and num_splits > 1 and batch * num_kv_heads <= FOLD_COUNTERS
-    counters = arrival_counters(q.device, "decode_merge", FOLD_COUNTERS) if fold_merge else seq_lens
-    group_p2 = triton.next_power_of_2(group)
-    block_s = triton.next_power_of_2(num_splits)
     prologue, prologue_strides = decode_prologue_args(new_kv, q, seq_lens)
     register_cap = {"maxnreg": FP8_MAX_REGISTERS} if k_scale is not None and FP8_MAX_REGISTERS else {}
     decode_split_kernel[(num_kv_heads, batch, num_splits)](
@@ -140,7 +119,6 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        counters,
         page_table,
         table_idx,
         seq_lens,
@@ -162,10 +140,6 @@ def decode_attention(
         GROUP=group,
         HEAD_DIM=head_dim,
         DIRECT_OUT=num_splits == 1,
-        FOLD_MERGE=fold_merge,
-        GROUP_P2=group_p2,
-        BLOCK_S=block_s,
-        CHUNK_S=min(block_s, max(1, FOLD_CHUNK_VALUES // (group_p2 * block_d))),
         KV_SCALED=k_scale is not None,
         NEW_KV=new_kv is not None,
         HAS_NORM=new_kv is not None and new_kv.q_norm_weight is not None,
@@ -181,6 +155,6 @@ def decode_attention(
         **register_cap,
         **pdl_args(q.device, batch),
     )
-    if num_splits > 1 and not fold_merge:
+    if num_splits > 1:
         merge_splits(out, part_out, part_lse)
     return out

@@ -1,11 +1,11 @@
 """Pass 2 of paged decode attention (attention_decode.py): the splits' partial outputs of each
-(request, q head) merged by their log-sum-exp (base 2).
-
-Two forms. `merge_splits` is a launch of its own, after every split has finished. And
-`merge_group_splits` runs inside the split kernel, in the last program of a (request, kv head)
-to arrive (an arrival counter): no launch, no boundary, at the price of an atomic on the
-critical path. A first fold (MoE batch 1, 2026-12-01) looped over all 64 splits one at a time
-and was slower than the launch; this one reads only the live splits, a chunk at a time."""
+(request, q head) merged by their log-sum-exp (base 2). A separate launch, because every split
+of a (request, kv head) must have finished first. Folding it into pass 1 (the last split to
+arrive, counted by an atomic, merges its group) was measured slower on an H200 twice: looping
+over 64 splits one at a time (MoE batch 1, +0.55 ms a step), and reading only the live splits
+a chunk at a time (Qwen3-0.6B batch 1, 0.715 -> 0.770 ms a graph): the last program's atomic and
+dependent loads sit on the critical path, where the launch's wait is hidden by programmatic
+dependent launch (docs/PERFORMANCE.md section 24)."""
 
 from __future__ import annotations
 
@@ -56,67 +56,6 @@ def _decode_merge_kernel(
         out_ptr + b * stride_ob + head * stride_oh + offs_d,
         o.to(out_ptr.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
-    )
-
-
-@triton.jit
-def merge_group_splits(
-    out_rows,
-    part_out_rows,
-    part_lse_rows,
-    stride_oh,
-    num_splits,
-    live,
-    offs_d,
-    d_mask,
-    GROUP: tl.constexpr,
-    GROUP_P2: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    CHUNK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The merge of one (request, kv head) inside the decode kernel (attention_decode.py's folded
-    merge): its GROUP q heads' splits [0, live) weighted by exp2(lse). `part_out_rows` and
-    `part_lse_rows` point at the group's first head; `out_rows` at its first output row. The
-    partials were written by other programs: they are read past L1 (.cg). Splits are taken
-    CHUNK_S at a time, each chunk's loads issued together (a loop of one split per trip was
-    latency-bound: docs/BENCHMARKS.md, MoE batch-1 table)."""
-    offs_g = tl.arange(0, GROUP_P2)
-    g_mask = offs_g < GROUP
-    offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(
-        part_lse_rows + offs_g[:, None] * num_splits + offs_s[None, :],
-        mask=g_mask[:, None] & (offs_s < live)[None, :],
-        other=float("-inf"),
-        cache_modifier=".cg",
-    )
-    lse_max = tl.max(lse, 1)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all: output 0, not NaN
-    acc = tl.zeros([GROUP_P2, BLOCK_D], dtype=tl.float32)
-    total = tl.zeros([GROUP_P2], dtype=tl.float32)
-    offs_c = tl.arange(0, CHUNK_S)
-    for s0 in range(0, live, CHUNK_S):
-        splits = s0 + offs_c
-        rows = offs_g[:, None] * num_splits + splits[None, :]  # [GROUP_P2, CHUNK_S]
-        in_chunk = g_mask[:, None] & (splits < live)[None, :]
-        chunk_lse = tl.load(part_lse_rows + rows, mask=in_chunk, other=float("-inf"), cache_modifier=".cg")
-        parts = tl.load(
-            part_out_rows + rows[:, :, None].to(tl.int64) * HEAD_DIM + offs_d[None, None, :],
-            mask=in_chunk[:, :, None] & d_mask[None, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        weights = tl.exp2(chunk_lse - lse_max[:, None])  # 0 where lse is -inf (an empty slice)
-        parts = tl.where((chunk_lse > float("-inf"))[:, :, None], parts, 0.0)
-        acc += tl.sum(parts * weights[:, :, None], 1)
-        total += tl.sum(weights, 1)
-    total = tl.where(total > 0, total, 1.0)
-    o = acc / total[:, None]
-    tl.store(
-        out_rows + offs_g[:, None] * stride_oh + offs_d[None, :],
-        o.to(out_rows.dtype.element_ty),
-        mask=g_mask[:, None] & d_mask[None, :],
     )
 
 

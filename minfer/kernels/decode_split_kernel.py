@@ -1,8 +1,7 @@
 """Pass 1 of paged decode attention, the Triton kernel (attention_decode.py launches it and says
 how it is split; the module docstring there is the overview). One program per (kv head, request,
 split): its slice of the request's keys, an online softmax for the kv head's group of q heads,
-then the partial output and log-sum-exp, or the output itself with one split, or (FOLD_MERGE)
-the group's merge when it is the last live split to finish.
+then the partial output and log-sum-exp, or the output itself with one split.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from minfer.kernels.attention_merge import merge_group_splits
 from minfer.kernels.common import attend_blocks, fp8_pool_operand, pdl_start, prefetch_l2
 from minfer.kernels.new_kv import finish_decode_token, rope_factors
 
@@ -23,7 +21,6 @@ def decode_split_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counter_ptr,
     page_table_ptr,
     table_idx_ptr,
     seq_lens_ptr,
@@ -56,10 +53,6 @@ def decode_split_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
-    FOLD_MERGE: tl.constexpr,
-    GROUP_P2: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    CHUNK_S: tl.constexpr,
     KV_SCALED: tl.constexpr,
     NEW_KV: tl.constexpr,
     HAS_NORM: tl.constexpr,
@@ -95,8 +88,6 @@ def decode_split_kernel(
     chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
     start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    # the splits whose slices hold keys; at least split 0, which also answers a request with none
-    live = tl.maximum(tl.cdiv(seq_len - first, tl.maximum(chunk, 1)), 1)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -130,10 +121,7 @@ def decode_split_kernel(
     pdl_start(PDL_RELEASE, PDL_WAIT)  # the merge, or o_proj's gemv, may start meanwhile
     # this split's rows of the partials, contiguous [B, Hq, num_splits, HEAD_DIM] and [B, Hq, num_splits]
     lse_idx = (b * GROUP * num_kv_heads + heads) * num_splits + split
-    if FOLD_MERGE:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if split >= live:  # past the end of a short sequence: the folded merge never reads it
-            return
-    elif not DIRECT_OUT:  # noqa: SIM102
+    if not DIRECT_OUT:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if start >= end:  # a slice past the end of a short sequence: the merge weighs it zero
             tl.store(part_lse_ptr + lse_idx, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_mask)
             return
@@ -216,26 +204,3 @@ def decode_split_kernel(
     else:
         tl.store(part_out_ptr + lse_idx[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], o, mask=hd_mask)
         tl.store(part_lse_ptr + lse_idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=h_mask)
-        if FOLD_MERGE:  # the last live split of this (request, kv head) to finish merges them
-            tl.debug_barrier()  # every thread's stores precede the arrival (release) that publishes them
-            counter = counter_ptr + b * num_kv_heads + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == live - 1:
-                group_row = (b * GROUP * num_kv_heads + kv_head * GROUP) * num_splits  # its first lse
-                merge_group_splits(
-                    out_ptr + b * stride_ob + kv_head * GROUP * stride_oh,
-                    part_out_ptr + group_row.to(tl.int64) * HEAD_DIM,
-                    part_lse_ptr + group_row,
-                    stride_oh,
-                    num_splits,
-                    live,
-                    offs_d,
-                    d_mask,
-                    GROUP,
-                    GROUP_P2,
-                    BLOCK_S,
-                    CHUNK_S,
-                    HEAD_DIM,
-                    BLOCK_D,
-                )
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch

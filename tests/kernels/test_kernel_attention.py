@@ -12,10 +12,9 @@ from minfer.attention.base import ForwardContext, build_metadata
 from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.attention.triton_backend import TritonAttentionBackend
 from minfer.kernels import attention_extend
-from minfer.kernels.attention_decode import FOLD_COUNTERS, choose_num_splits, decode_attention
+from minfer.kernels.attention_decode import choose_num_splits, decode_attention
 from minfer.kernels.attention_extend import extend_attention, extend_tiles
 from minfer.kernels.attention_reference import decode_attention_reference, extend_attention_reference
-from minfer.kernels.common import arrival_counters
 from minfer.kvcache.pool import KVPool
 
 
@@ -44,8 +43,8 @@ def test_decode_matches_reference(group, head_dim, page_size, device):
     batch, q = _decode_case(group, head_dim, page_size, dtype, device, [1, 37, 130, 64])
     args = _decode_args(batch, q, head_dim**-0.5)
     expected = decode_attention_reference(*args)
-    for num_splits, fold_merge in ((1, False), (3, False), (3, True)):
-        out = decode_attention(*args, num_splits=num_splits, fold_merge=fold_merge)
+    for num_splits in (1, 3):
+        out = decode_attention(*args, num_splits=num_splits)
         torch.testing.assert_close(out, expected, **tolerance(dtype))
 
 
@@ -58,32 +57,14 @@ def test_decode_dtypes(dtype, device):
     torch.testing.assert_close(out, decode_attention_reference(*args), **tolerance(dtype))
 
 
-@pytest.mark.parametrize("fold_merge", [False, True])
-def test_decode_more_splits_than_keys(fold_merge, device):
+def test_decode_more_splits_than_keys(device):
     """Splits past the end of a short sequence are empty and must not disturb the merge."""
     batch, q = _decode_case(4, 64, 1, torch.float32, device, [1, 3, 200])
     args = _decode_args(batch, q, 0.125)
     expected = decode_attention_reference(*args)
     for num_splits in (5, 16):
-        out = decode_attention(*args, num_splits=num_splits, fold_merge=fold_merge)
+        out = decode_attention(*args, num_splits=num_splits)
         torch.testing.assert_close(out, expected, **tolerance(torch.float32))
-
-
-@pytest.mark.parametrize("group", [2, 5])
-def test_folded_merge_equals_the_merge_launch_and_leaves_its_counters_at_zero(group, device):
-    """The last live split of each (request, kv head) merges: the same output as the merge
-    launch (to float32 summation order) over lengths from one key to all splits live, and
-    every arrival counter back at zero, so the next launch or graph replay counts from zero.
-    Two launches in a row check the second one's count."""
-    batch, q = _decode_case(group, 64, 1, torch.float32, device, [1, 64, 65, 300, 700], num_kv_heads=3)
-    args = _decode_args(batch, q, 0.125)
-    counters = arrival_counters(device, "decode_merge", FOLD_COUNTERS)
-    expected = decode_attention(*args, num_splits=11, fold_merge=False)
-    for _ in range(2):
-        out = decode_attention(*args, num_splits=11, fold_merge=True)
-        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
-        assert not counters.any()
-    torch.testing.assert_close(out, decode_attention_reference(*args), **tolerance(torch.float32))
 
 
 def test_num_splits_depend_only_on_static_sizes(device):
@@ -263,27 +244,3 @@ def test_extend_real_shapes_gpu(num_heads, num_kv_heads):
     torch.testing.assert_close(
         _run_extend(batch, q, 128**-0.5), _extend_reference(batch, q, 128**-0.5), atol=1e-2, rtol=1e-2
     )
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_heads, num_kv_heads", [(16, 8), (32, 8)])
-def test_folded_merge_races_to_the_launch_merges_output_gpu(num_heads, num_kv_heads):
-    """On a GPU the splits of a (request, kv head) finish in any order and the counter is
-    contended: over many launches of the default split counts (batch 1, 2, 7: 33, 17, 5 splits
-    on an H200) the folded merge gives the merge launch's output, and no counter is left
-    counting."""
-    device = torch.device("cuda")
-    gen = _generator("fold-race", num_heads)
-    counters = arrival_counters(device, "decode_merge", FOLD_COUNTERS)
-    for trial in range(30):
-        size = (1, 2, 7)[trial % 3]
-        lengths = torch.randint(1, 3000, (size,), generator=gen).tolist()
-        batch = make_paged_batch(
-            [n - 1 for n in lengths], [1] * size, num_kv_heads, 128, 1, torch.bfloat16, device, gen, 4096
-        )
-        q = torch.randn((size, num_heads, 128), generator=gen).to(torch.bfloat16).to(device)
-        args = _decode_args(batch, q, 128**-0.5)
-        folded = decode_attention(*args, fold_merge=True)
-        launched = decode_attention(*args, fold_merge=False)
-        torch.testing.assert_close(folded, launched, atol=2e-2, rtol=2e-2)  # bf16: one rounding apart
-        assert not counters.any()
