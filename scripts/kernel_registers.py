@@ -131,7 +131,7 @@ def cases():
                 PDL_RELEASE=True,
                 PDL_WAIT=new_kv,
                 PREFETCH=new_kv,
-                LINES=2 if scaled else 4,
+                LINES=1 if scaled else 2,  # 128-byte lines of a 128-dim row
                 LINE_ELEMENTS=128 if scaled else 64,
                 KV_SCALED=scaled,
                 NEW_KV=new_kv,
