@@ -78,11 +78,11 @@ def reset_pdl_choice() -> None:
 def arrival_counters(device: torch.device, user: str, count: int) -> torch.Tensor:
     """A zeroed int32 buffer of `count` arrival counters on `device`, one buffer per `user` (a
     kernel kind). A kernel whose last program to arrive finishes the work (the split-K GEMM's
-    sum, the router's selection) counts arrivals here and that
-    program puts its counter back to zero, so the buffer is zero between launches and a CUDA
-    graph can replay them. Launches on one stream never touch a counter at the same time: each
-    does so only after its programmatic-launch wait (pdl_start). The first call must come
-    before any graph capture (the warm-up does it), or the zeroing would be captured."""
+    sum, the router's selection) counts arrivals here, and that program puts its counter back
+    to zero, so the buffer is zero between launches and a CUDA graph can replay them. Launches
+    on one stream run one after another, so two never count in one buffer at once. The first
+    call must come before any graph capture (the warm-up does it), or the zeroing would be
+    captured."""
     return torch.zeros(count, dtype=torch.int32, device=device)
 
 

@@ -136,7 +136,7 @@ def finish_decode_token(
     KV_SCALED: tl.constexpr,
 ):
     """rope_store's work for one decode token and one kv head, inside the decode attention
-    kernel (attention_decode.py): returns the group's q rows normalised and rotated, and, when
+    kernel (decode_split_kernel.py): returns the group's q rows normalised and rotated, and, when
     `write_kv` (the program whose key slice holds the new position), writes the head's new k
     and v to their slot first. Same helpers, same rounding as the rope_store kernel; `cos` and
     `signed_sin` are `rope_factors` of the token's position, which the caller reads before its
