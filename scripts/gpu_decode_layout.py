@@ -254,15 +254,20 @@ def pipeline_sweep(table: dict = PIPELINES) -> None:
         q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
         for name, (k_pool, v_pool, scales) in pools.items():
             width = 2 if name == "bf16" else 1
-            cells = []
+            cells, first = [], None
             for config in table[name]:
                 set_launch(name, config)
                 try:
                     t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
+                    out = ad.decode_attention(q, k_pool, v_pool, *common, **scales).float()
                 except Exception as exc:  # out of shared memory for this configuration
                     cells.append(f"{config}: {type(exc).__name__}")
                     continue
-                cells.append(f"{config}: {t:6.1f} us {values * width / t / 1e6:4.2f} TB/s")
+                first = out if first is None else first  # the table's first row: the default launch
+                diff = (out - first).abs().max().item()  # other launches must agree with it
+                cells.append(
+                    f"{config}: {t:6.1f} us {values * width / t / 1e6:4.2f} TB/s  max |diff| {diff:.1e}"
+                )
             ad.BLOCK_N, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS = saved
             ad.LOOKAHEAD, ad.FP8_LOOKAHEAD = saved_ahead
             print(f"B={batch_size:3d} {name}\n    " + "\n    ".join(cells), flush=True)
