@@ -4,7 +4,7 @@
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --splits    # split counts at 16-96 running
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --registers # fp8 launch constants, register cap
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --pipeline  # stage counts that buffer 2-4 deep
-    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --lookahead # loads a key block ahead
+    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --order     # requests longest first
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --once fp8  # a few launches, for ncu
 
 The engine's pool has page size 1, and decode appends one slot per request per step, so a
@@ -117,6 +117,45 @@ def table() -> None:
                 torch.cuda.empty_cache()
 
 
+def order_study() -> None:
+    """The same requests in the drawn order, longest first and shortest first. The grid runs
+    the programs of the requests in batch order, and with one split per request (from 64
+    running) the last wave holds whatever requests come last: if the long ones end up there the
+    SMs idle while they finish. Longest first is the classic fix for that tail; if it pays, the
+    kernel could walk the batch in an order the host stages."""
+    for batch_size in BATCHES:
+        for spread, (lo, hi) in {"512-1536": (512, 1536), "100-2048": (100, 2048)}.items():
+            rng = random.Random(batch_size)
+            lens = [rng.randint(lo, hi) for _ in range(batch_size)]
+            q, pools, common, values = build("qwen3-0.6b", lens, 1)
+            page_table, table_idx, seq_lens, scale = common
+            for name, (k_pool, v_pool, scales) in pools.items():
+                width = 2 if name == "bf16" else 1
+                cells = []
+                for label, descending in (
+                    ("drawn", None),
+                    ("longest first", True),
+                    ("shortest first", False),
+                ):
+                    order = torch.arange(batch_size, device=DEVICE)
+                    if descending is not None:
+                        order = torch.argsort(seq_lens, descending=descending)
+                    args = (
+                        q[order].contiguous(),
+                        k_pool,
+                        v_pool,
+                        page_table,
+                        table_idx[order],
+                        seq_lens[order],
+                        scale,
+                    )
+                    t = timed(lambda: ad.decode_attention(*args, **scales))
+                    cells.append(f"{label} {t:6.1f} us ({values * width / t / 1e6:4.2f} TB/s)")
+                print(f"B={batch_size:3d} ctx {spread} {name:5s} | " + " | ".join(cells), flush=True)
+            del pools
+            torch.cuda.empty_cache()
+
+
 def splits_study() -> None:
     """Decode time by explicit split count around the batch sizes where the default turns to
     one split, to see whether the choice (choose_num_splits) or something else costs there."""
@@ -206,50 +245,18 @@ PIPELINES = {
 }
 
 
-# (BLOCK_N, warps, stages, register cap, lookahead) per pool for --lookahead: the kernel's loop
-# that issues the next key block's loads before this block's products (attend_blocks_ahead),
-# which holds one more block of K/V as stored; the first row is the default launch.
-LOOKAHEADS = {
-    "bf16": [
-        (64, 4, 3, None, False),
-        (64, 4, 1, None, True),
-        (64, 4, 3, None, True),
-        (32, 4, 1, None, True),
-        (32, 4, 3, None, True),
-        (64, 8, 1, None, True),
-        (128, 8, 1, None, True),
-    ],
-    "fp8": [
-        (128, 4, 3, 168, False),
-        (128, 4, 1, 168, True),
-        (128, 4, 1, None, True),
-        (128, 4, 3, 168, True),
-        (64, 4, 1, 168, True),
-        (64, 4, 1, 128, True),
-        (64, 4, 3, 128, True),
-        (128, 8, 1, None, True),
-        (128, 8, 1, 128, True),
-        (64, 8, 1, 128, True),
-        (256, 8, 1, None, True),
-    ],
-}
-
-
 def set_launch(name: str, config) -> None:
-    block_n, ad.NUM_WARPS, ad.NUM_STAGES, cap, *lookahead = config
+    block_n, ad.NUM_WARPS, ad.NUM_STAGES, cap = config
     if name == "fp8":
         ad.FP8_BLOCK_N, ad.FP8_MAX_REGISTERS = block_n, cap
-        ad.FP8_LOOKAHEAD = bool(lookahead and lookahead[0])
     else:
         ad.BLOCK_N = block_n
-        ad.LOOKAHEAD = bool(lookahead and lookahead[0])
 
 
 def pipeline_sweep(table: dict = PIPELINES) -> None:
     """Each pool's launch with the configurations of `table` (deeper load pipelines by default),
     graph-timed at 16-256 running."""
     saved = (ad.BLOCK_N, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS)
-    saved_ahead = (ad.LOOKAHEAD, ad.FP8_LOOKAHEAD)
     for batch_size in BATCHES:
         q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
         for name, (k_pool, v_pool, scales) in pools.items():
@@ -269,7 +276,6 @@ def pipeline_sweep(table: dict = PIPELINES) -> None:
                     f"{config}: {t:6.1f} us {values * width / t / 1e6:4.2f} TB/s  max |diff| {diff:.1e}"
                 )
             ad.BLOCK_N, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS = saved
-            ad.LOOKAHEAD, ad.FP8_LOOKAHEAD = saved_ahead
             print(f"B={batch_size:3d} {name}\n    " + "\n    ".join(cells), flush=True)
         del pools
         torch.cuda.empty_cache()
@@ -290,10 +296,12 @@ def main() -> None:
     parser.add_argument("--splits", action="store_true", help="time split counts at 16-96 running")
     parser.add_argument("--registers", action="store_true", help="sweep the fp8 launch and its register cap")
     parser.add_argument("--pipeline", action="store_true", help="time deeper load pipelines for both pools")
-    parser.add_argument("--lookahead", action="store_true", help="time the loop that loads a key block ahead")
+    parser.add_argument(
+        "--order", action="store_true", help="time the batch longest first and shortest first"
+    )
     args = parser.parse_args()
-    if args.lookahead:
-        pipeline_sweep(LOOKAHEADS)
+    if args.order:
+        order_study()
     elif args.pipeline:
         pipeline_sweep()
     elif args.registers:

@@ -45,9 +45,10 @@ NUM_STAGES = 3
 # programs per SM, too few loads in flight (ncu, B=256: 2.40 TB/s). Capped at 168 three fit, no
 # spills: 218 -> 185 us at B=256 (128 spills: 209 us). scripts/gpu_decode_layout.py --registers.
 FP8_MAX_REGISTERS = 168
-# Loads a key block ahead (decode_split_kernel.attend_blocks_ahead), per pool; off until measured.
-LOOKAHEAD = False
-FP8_LOOKAHEAD = False
+# Not kept: a loop that issues the next key block's loads before this block's products (one more
+# block of K/V held as stored). Graph-timed on an H200 (gpu_decode_layout.py, Qwen3-0.6B heads,
+# twenty-fourth session) it was slower at every batch and launch tried: bf16 B=256 255 -> 283 us
+# at best, fp8 B=256 185 -> 343 us at best (the held fp8 block spills at the register cap).
 CACHE_LINE = 128  # bytes: the granule of the first key block's L2 prefetch
 
 
@@ -155,7 +156,6 @@ def decode_attention(
         PREFETCH=batch <= CHAIN_ROWS,
         LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_pool.element_size(), CACHE_LINE)),
         LINE_ELEMENTS=CACHE_LINE // k_pool.element_size(),
-        LOOKAHEAD=FP8_LOOKAHEAD if k_scale is not None else LOOKAHEAD,
         **register_cap,
         **pdl_args(q.device, batch),
     )

@@ -17,13 +17,16 @@ import triton.language as tl
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
-# MINFER_PDL: "1" (the default) chains launches of at most CHAIN_ROWS rows and releases the rest;
-# "chain" chains every launch, "release" none (the fifteenth session's default), "0" turns
-# programmatic dependent launch off; "early" chains as "1" does, and each chained kernel lets the
-# next one start before its own wait (see pdl_start); the others are for A/B runs.
-_PDL_MODES = ("0", "release", "1", "early", "chain")
-# Read at import, as a compile-time constant of every kernel that calls pdl_start.
-EARLY_RELEASE = tl.constexpr(os.environ.get("MINFER_PDL", "1") == "early")
+# MINFER_PDL: "1" (the default) chains launches of at most CHAIN_ROWS rows and releases the rest,
+# each kernel releasing the next before its own wait (see pdl_start); "late" is "1" with the
+# release after the wait (the twenty-third session's default); "chain" chains every launch,
+# "release" none (the fifteenth session's), "0" turns programmatic dependent launch off. All but
+# "1" are for A/B runs.
+_PDL_MODES = ("0", "release", "1", "late", "chain")
+# Read at import, as a compile-time constant of every kernel that calls pdl_start. Releasing
+# first let launches run several deep: H200, batch-1 decode graph 0.715 -> 0.681 ms for
+# Qwen3-0.6B, 3.956 -> 3.917 ms for Llama-3.1-8B (docs/BENCHMARKS.md, twenty-fourth session).
+EARLY_RELEASE = tl.constexpr(os.environ.get("MINFER_PDL", "1") != "late")
 # Chained (launched early, waiting at the first statement) only up to this many rows: there the
 # gemv between the kernels reads its weights early too and a step is mostly kernel boundaries
 # (H200, batch-1 graph 0.96 -> 0.83 ms for Qwen3-0.6B). From 4 rows up the products are the
@@ -62,7 +65,7 @@ def _pdl_args(device: torch.device, few_rows: bool) -> types.MappingProxyType:
     # cached and read-only: it is unpacked into every launch of those kernels
     release = pdl_enabled(device)
     mode = _pdl_mode()
-    chained = release and (mode == "chain" or (mode in ("1", "early") and few_rows))
+    chained = release and (mode == "chain" or (mode in ("1", "late") and few_rows))
     return types.MappingProxyType(
         {"PDL_RELEASE": release, "PDL_WAIT": chained, **({"launch_pdl": True} if chained else {})}
     )
@@ -98,14 +101,17 @@ def pdl_start(PDL_RELEASE: tl.constexpr, PDL_WAIT: tl.constexpr):
     `gdc_wait`). Kernels launched without the attribute still start only when this one has
     finished.
 
-    The release comes after the wait, so at most two kernels run at once, unless EARLY_RELEASE
-    (MINFER_PDL=early) puts it first: then the next kernel may start its own early reads while
-    this one still waits, and a chain of launches fills the SMs as far as their registers
-    allow. Both orders are safe for what a kernel reads after its wait, for the same reason: a
-    kernel's wait returns only when the kernel before it has finished, which is after that
-    kernel's own wait returned. What a kernel reads before its wait must not be written by any
-    kernel that can still be running under either order: only what the host staged, or what
-    the step's first launch (decode_step, which releases nothing) wrote."""
+    The release comes first (EARLY_RELEASE), so the next kernel may start its own early reads
+    while this one still waits, and a chain of launches fills the SMs as far as their registers
+    allow; MINFER_PDL=late puts it after the wait, so at most two kernels run at once. Both
+    orders are safe for what a kernel reads after its wait, for the same reason: a kernel's wait
+    returns only when the kernel before it has finished, which is after that kernel's own wait
+    returned. What a kernel reads before its wait must not be written by any kernel that can
+    still be running, and with the release first that can be any earlier launch of the step:
+    only what the host staged, or what the step's first launch (decode_step, which releases
+    nothing) wrote. Nothing may be written before the wait. A chain cannot deadlock: a kernel is
+    released only when all its programs have started (or ended), so the oldest kernel of a
+    chain is always wholly resident and finishes."""
     if PDL_RELEASE and EARLY_RELEASE:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL_WAIT:

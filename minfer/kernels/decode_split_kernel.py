@@ -9,71 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import attend_blocks, dot, fp8_pool_operand, pdl_start, prefetch_l2
+from minfer.kernels.common import attend_blocks, fp8_pool_operand, pdl_start, prefetch_l2
 from minfer.kernels.new_kv import finish_decode_token, rope_factors
-
-
-@triton.jit
-def _gather_rows(head_ptr, slots, stride_slot, offs_d, mask):
-    """The rows of `slots` in one kv head of a pool, as stored (bf16, or fp8 for its caller to
-    widen): [len(slots), D]."""
-    return tl.load(head_ptr + slots[:, None] * stride_slot + offs_d[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def attend_blocks_ahead(
-    q,
-    m_i,
-    l_i,
-    acc,
-    page_row,
-    k_head,
-    v_head,
-    stride_ks,
-    stride_vs,
-    start,
-    end,
-    sm_scale_log2,
-    offs_n,
-    offs_d,
-    d_mask,
-    BLOCK_N: tl.constexpr,
-):
-    """common.attend_blocks for one decode token (keys [start, end), bounds masking only), with
-    its loads a key block ahead: each step issues the next block's K/V loads and the slots of the
-    block after it, then computes on the block loaded the step before. Without this a program
-    waits out a whole DRAM round trip per block (slots, then K/V) before its products, and only
-    the other programs on the SM keep loads in flight meanwhile. Costs the registers of one more
-    block of K and V, as stored (an fp8 block is widened only when used)."""
-    pos = start + offs_n
-    n_mask = pos < end
-    slots = tl.load(page_row + pos, mask=n_mask, other=0).to(tl.int64)
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k_raw = _gather_rows(k_head, slots, stride_ks, offs_d, kv_mask)
-    v_raw = _gather_rows(v_head, slots, stride_vs, offs_d, kv_mask)
-    next_pos = pos + BLOCK_N
-    next_mask = next_pos < end
-    next_slots = tl.load(page_row + next_pos, mask=next_mask, other=0).to(tl.int64)
-    for _ in range(start, end, BLOCK_N):
-        ahead_mask = next_mask[:, None] & d_mask[None, :]
-        k_next = _gather_rows(k_head, next_slots, stride_ks, offs_d, ahead_mask)
-        v_next = _gather_rows(v_head, next_slots, stride_vs, offs_d, ahead_mask)
-        after_pos = next_pos + BLOCK_N
-        after_mask = after_pos < end
-        after_slots = tl.load(page_row + after_pos, mask=after_mask, other=0).to(tl.int64)
-
-        scores = dot(q, tl.trans(k_raw.to(q.dtype))) * sm_scale_log2
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(q.dtype), v_raw.to(q.dtype))
-        m_i = m_new
-
-        k_raw, v_raw, n_mask = k_next, v_next, next_mask
-        next_pos, next_mask, next_slots = after_pos, after_mask, after_slots
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -128,7 +65,6 @@ def decode_split_kernel(
     PREFETCH: tl.constexpr,
     LINES: tl.constexpr,
     LINE_ELEMENTS: tl.constexpr,
-    LOOKAHEAD: tl.constexpr,
 ):
     # Grid (kv head, request, split), kv head fastest: one request's heads, which read nearby parts
     # of the same slot rows, run side by side. H200, graph-timed, Qwen3-0.6B heads, B=256 ctx~1024
@@ -230,48 +166,28 @@ def decode_split_kernel(
         sm_scale_log2 = sm_scale_log2 * k_scale
         q = fp8_pool_operand(q)
     # The new token sees every key of [first, seq_len): bounds masking only (q_pos unused).
-    if LOOKAHEAD:
-        m_i, l_i, acc = attend_blocks_ahead(
-            q,
-            m_i,
-            l_i,
-            acc,
-            page_row,
-            k_head,
-            v_head,
-            stride_ks,
-            stride_vs,
-            start,
-            end,
-            sm_scale_log2,
-            offs_n,
-            offs_d,
-            d_mask,
-            BLOCK_N,
-        )
-    else:
-        m_i, l_i, acc = attend_blocks(
-            q,
-            m_i,
-            m_i,
-            l_i,
-            acc,
-            page_row,
-            k_head,
-            v_head,
-            stride_ks,
-            stride_vs,
-            start,
-            end,
-            sm_scale_log2,
-            offs_n,
-            offs_d,
-            d_mask,
-            True,
-            False,
-            BLOCK_N,
-            0,
-        )
+    m_i, l_i, acc = attend_blocks(
+        q,
+        m_i,
+        m_i,
+        l_i,
+        acc,
+        page_row,
+        k_head,
+        v_head,
+        stride_ks,
+        stride_vs,
+        start,
+        end,
+        sm_scale_log2,
+        offs_n,
+        offs_d,
+        d_mask,
+        True,
+        False,
+        BLOCK_N,
+        0,
+    )
 
     # An empty slice (split past the end) has l_i = 0: its output is 0 and its lse -inf.
     l_safe = tl.where(l_i > 0, l_i, 1.0)

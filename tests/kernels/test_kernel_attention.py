@@ -11,11 +11,11 @@ from kernel_cases import make_paged_batch, tolerance
 from minfer.attention.base import ForwardContext, build_metadata
 from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.attention.triton_backend import TritonAttentionBackend
-from minfer.kernels import attention_decode, attention_extend
+from minfer.kernels import attention_extend
 from minfer.kernels.attention_decode import choose_num_splits, decode_attention
 from minfer.kernels.attention_extend import extend_attention, extend_tiles
 from minfer.kernels.attention_reference import decode_attention_reference, extend_attention_reference
-from minfer.kvcache.pool import KVPool, quantize_fp8
+from minfer.kvcache.pool import KVPool
 
 
 def _generator(*key) -> torch.Generator:
@@ -55,32 +55,6 @@ def test_decode_dtypes(dtype, device):
     out = decode_attention(*args, num_splits=2)
     assert out.dtype == dtype
     torch.testing.assert_close(out, decode_attention_reference(*args), **tolerance(dtype))
-
-
-@pytest.mark.parametrize("pool", ["bf16", "fp8"])
-def test_decode_lookahead_matches_reference(pool, monkeypatch, device):
-    """The loop that loads a key block ahead (attend_blocks_ahead): slices of one block, of
-    several blocks and with a partial last block, a request of one key, and a sliding window
-    whose first key is not block-aligned, against the torch reference."""
-    monkeypatch.setattr(attention_decode, "LOOKAHEAD", True)
-    monkeypatch.setattr(attention_decode, "FP8_LOOKAHEAD", True)
-    monkeypatch.setattr(attention_decode, "BLOCK_N", 16)  # several blocks at interpreter sizes
-    monkeypatch.setattr(attention_decode, "FP8_BLOCK_N", 16)
-    batch, q = _decode_case(2, 64, 1, torch.bfloat16, device, [1, 16, 53, 140])
-    scales = {}
-    if pool == "fp8":
-        scales = {
-            "k_scale": torch.tensor([0.5, 0.37], device=device),
-            "v_scale": torch.tensor([0.25, 3.0], device=device),
-        }
-        batch.k_pool = quantize_fp8(batch.k_pool.cpu(), scales["k_scale"].cpu()).to(device)
-        batch.v_pool = quantize_fp8(batch.v_pool.cpu(), scales["v_scale"].cpu()).to(device)
-    args = _decode_args(batch, q, 64**-0.5)
-    for window in (None, 21):
-        expected = decode_attention_reference(*args, window=window, **scales)
-        for num_splits in (1, 3):
-            out = decode_attention(*args, num_splits=num_splits, window=window, **scales)
-            torch.testing.assert_close(out, expected, **tolerance(torch.bfloat16))
 
 
 def test_decode_more_splits_than_keys(device):

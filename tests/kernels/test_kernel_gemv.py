@@ -115,11 +115,13 @@ def test_pdl_is_off_where_it_cannot_run(monkeypatch):
     reason="programmatic dependent launch needs a compiled Hopper+ kernel",
 )
 @pytest.mark.parametrize(
-    "mode, chained_rows", [("1", (1, 2)), ("chain", (1, 2, 3, 256)), ("release", ()), ("0", ())]
+    "mode, chained_rows",
+    [("1", (1, 2)), ("late", (1, 2)), ("chain", (1, 2, 3, 256)), ("release", ()), ("0", ())],
 )
 def test_pdl_modes_chain_the_launches_they_name(monkeypatch, mode, chained_rows):
     """MINFER_PDL's modes on a GPU: the default chains launches of at most CHAIN_ROWS rows and
-    releases every launch; "chain" chains all of them, "release" none, "0" turns PDL off."""
+    releases every launch ("late" the same, releasing after the wait: a compile-time constant,
+    EARLY_RELEASE); "chain" chains all of them, "release" none, "0" turns PDL off."""
     monkeypatch.setenv("MINFER_PDL", mode)
     common.reset_pdl_choice()
     try:
