@@ -4,9 +4,11 @@
 # first at rate inf (the nano-vllm draw, next to `bench offline`), then TTFT/ITL at 25/50/80% of the
 # request rate measured at inf. Writes JSON and logs under $OUT.
 #   scripts/gpu_serve_bench.sh .gpu/qwen3-0.6b
+#   SHARES= scripts/gpu_serve_bench.sh .gpu/qwen3-0.6b    # rate inf only (~2 minutes)
 set -uo pipefail
 MODEL_DIR=${1:?model folder}
 OUT=${OUT:-/tmp/out}
+SHARES=${SHARES-25 50 80}  # shares of the rate measured at inf
 PORT=8123
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -32,7 +34,7 @@ bench warm --workload nano-vllm --num-prompts 64 --seed 7
 bench inf --workload nano-vllm --request-rate inf
 MAX_RATE=$(python3 -c "import json; print(json.load(open('$OUT/inf.json'))['request_throughput'])")
 echo "max request rate: $MAX_RATE" | tee -a "$OUT/gpu.txt"
-for share in 25 50 80; do
+for share in $SHARES; do
   rate=$(python3 -c "print(round($MAX_RATE * $share / 100, 2))")
   bench "rate$share" --workload nano-vllm --request-rate "$rate" --seed $share
 done
