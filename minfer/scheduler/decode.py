@@ -14,11 +14,12 @@ log = logging.getLogger(__name__)
 
 # From this many requests a decode batch runs longest context first. The decode attention grid
 # takes the requests in batch order, one program per (kv head, request) once the batch fills the
-# GPU, so long requests at the end leave a last wave in which most SMs idle. Measured on an H100
+# GPU, so long requests at the end leave a last wave in which most SMs idle. Kernel alone, H100
 # (scripts/gpu_decode_layout.py --order, contexts 100-2048): 128 running 204 -> 188 us (bf16),
-# 125 -> 111 us (fp8); 32 running fp8 -8 to -17%, bf16 within 2%. Below it the host's sort would
-# cost more than the tail it removes.
-LONGEST_FIRST_FROM = 32
+# 125 -> 111 us (fp8). `bench offline qwen3-0.6b` on an H200: 25,393 -> 26,341 tok/s (bf16),
+# 30,598 -> 32,261 (fp8). From 8 instead of 32: the 16-31 band 2.23 -> 2.09 ms per step (fp8),
+# 8-15 unchanged, so 16 (docs/BENCHMARKS.md, twenty-fourth session).
+LONGEST_FIRST_FROM = 16
 
 
 class DecodePlanner:
