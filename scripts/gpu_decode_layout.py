@@ -117,13 +117,15 @@ def table() -> None:
                 torch.cuda.empty_cache()
 
 
-def order_study() -> None:
+def order_study(batches=BATCHES) -> None:
     """The same requests in the drawn order, longest first and shortest first. The grid runs
     the programs of the requests in batch order, and with one split per request (from 64
     running) the last wave holds whatever requests come last: if the long ones end up there the
     SMs idle while they finish. Longest first is the classic fix for that tail; if it pays, the
-    kernel could walk the batch in an order the host stages."""
-    for batch_size in BATCHES:
+    kernel could walk the batch in an order the host stages. (The scheduler now sorts: see
+    scheduler/decode.py. The split columns ask whether a sorted batch wants more splits than
+    choose_num_splits gives.)"""
+    for batch_size in batches:
         for spread, (lo, hi) in {"512-1536": (512, 1536), "100-2048": (100, 2048)}.items():
             rng = random.Random(batch_size)
             lens = [rng.randint(lo, hi) for _ in range(batch_size)]
@@ -132,10 +134,12 @@ def order_study() -> None:
             for name, (k_pool, v_pool, scales) in pools.items():
                 width = 2 if name == "bf16" else 1
                 cells = []
-                for label, descending in (
-                    ("drawn", None),
-                    ("longest first", True),
-                    ("shortest first", False),
+                for label, descending, splits in (
+                    ("drawn", None, None),
+                    ("longest first", True, None),
+                    ("shortest first", False, None),
+                    ("longest first, 2 splits", True, 2),
+                    ("longest first, 4 splits", True, 4),
                 ):
                     order = torch.arange(batch_size, device=DEVICE)
                     if descending is not None:
@@ -149,7 +153,7 @@ def order_study() -> None:
                         seq_lens[order],
                         scale,
                     )
-                    t = timed(lambda: ad.decode_attention(*args, **scales))
+                    t = timed(lambda: ad.decode_attention(*args, num_splits=splits, **scales))
                     cells.append(f"{label} {t:6.1f} us ({values * width / t / 1e6:4.2f} TB/s)")
                 print(f"B={batch_size:3d} ctx {spread} {name:5s} | " + " | ".join(cells), flush=True)
             del pools
@@ -301,7 +305,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.order:
-        order_study()
+        order_study(args.batches)
     elif args.pipeline:
         pipeline_sweep()
     elif args.registers:
