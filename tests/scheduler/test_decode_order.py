@@ -30,7 +30,7 @@ def _params(i: int) -> SamplingParams:
     """Per-row sampling state that a reordered batch must carry with its request: seeded
     temperature sampling, penalties, a min_tokens ban, and different lengths."""
     if i % 3 == 0:
-        return SamplingParams(temperature=0, max_tokens=6 + i % 5, ignore_eos=True)
+        return SamplingParams(temperature=0, max_tokens=6 + i % 5, ignore_eos=True, logprobs=2)
     if i % 3 == 1:
         return SamplingParams(temperature=0.9, top_p=0.8, seed=i, max_tokens=7, ignore_eos=True)
     return SamplingParams(
@@ -43,12 +43,13 @@ def _params(i: int) -> SamplingParams:
     )
 
 
-def _llm(model_path: str) -> LLM:
+def _llm(model_path: str, overlap: bool = True) -> LLM:
     return LLM(
         model_path,
         kv_cache_tokens=4096,
         max_running_requests=64,
         check_kv_invariants=True,
+        disable_overlap_schedule=not overlap,
     )
 
 
@@ -71,11 +72,19 @@ def test_decode_batch_runs_longest_first_and_running_keeps_admission_order(model
     assert [r.uid for r in sched.running] == [r.uid for r in admitted]
 
 
-def test_order_changes_no_output(model_path, monkeypatch):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_order_changes_no_output(model_path, monkeypatch, overlap):
     prompts = [_prompt(i) for i in range(NUM_REQUESTS)]
     params = [_params(i) for i in range(NUM_REQUESTS)]
-    sorted_run = _llm(model_path).generate_ids(prompts, params, use_tqdm=False)
+    sorted_run = _llm(model_path, overlap).generate_ids(prompts, params, use_tqdm=False)
     monkeypatch.setattr(decode, "LONGEST_FIRST_FROM", 10**9)
-    admission_run = _llm(model_path).generate_ids(prompts, params, use_tqdm=False)
+    admission_run = _llm(model_path, overlap).generate_ids(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in sorted_run] == [o.token_ids for o in admission_run]
+    with_logprobs = [(a, b) for a, b in zip(sorted_run, admission_run) if a.logprobs is not None]
+    assert with_logprobs
+    for ours, theirs in with_logprobs:  # the chosen tokens' and the top-2 log-probs, row by row
+        assert ours.logprobs.top_ids == theirs.logprobs.top_ids
+        assert ours.logprobs.logprobs == pytest.approx(theirs.logprobs.logprobs, abs=1e-5)
+        for a, b in zip(ours.logprobs.top_logprobs, theirs.logprobs.top_logprobs):
+            assert a == pytest.approx(b, abs=1e-5)
     assert len({tuple(o.token_ids) for o in sorted_run}) > NUM_REQUESTS // 2  # not one repeated answer
