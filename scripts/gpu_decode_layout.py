@@ -4,7 +4,7 @@
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --splits    # split counts at 16-96 running
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --registers # fp8 launch constants, register cap
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --pipeline  # stage counts that buffer 2-4 deep
-    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --order     # requests longest first
+    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --order     # requests longest first (--batches 128 64)
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --once fp8  # a few launches, for ncu
 
 The engine's pool has page size 1, and decode appends one slot per request per step, so a
@@ -121,10 +121,9 @@ def order_study(batches=BATCHES) -> None:
     """The same requests in the drawn order, longest first and shortest first. The grid runs
     the programs of the requests in batch order, and with one split per request (from 64
     running) the last wave holds whatever requests come last: if the long ones end up there the
-    SMs idle while they finish. Longest first is the classic fix for that tail; if it pays, the
-    kernel could walk the batch in an order the host stages. (The scheduler now sorts: see
-    scheduler/decode.py. The split columns ask whether a sorted batch wants more splits than
-    choose_num_splits gives.)"""
+    SMs idle while they finish. Longest first, the fix for that tail, is what the scheduler does
+    (scheduler/decode.py); the split columns ask whether a sorted batch wants more splits than
+    choose_num_splits gives."""
     for batch_size in batches:
         for spread, (lo, hi) in {"512-1536": (512, 1536), "100-2048": (100, 2048)}.items():
             rng = random.Random(batch_size)
@@ -257,16 +256,16 @@ def set_launch(name: str, config) -> None:
         ad.BLOCK_N = block_n
 
 
-def pipeline_sweep(table: dict = PIPELINES) -> None:
-    """Each pool's launch with the configurations of `table` (deeper load pipelines by default),
-    graph-timed at 16-256 running."""
+def pipeline_sweep() -> None:
+    """Each pool's launch with deeper load pipelines (PIPELINES), graph-timed at 16-256 running;
+    each launch's output against the first (default) launch's."""
     saved = (ad.BLOCK_N, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS)
     for batch_size in BATCHES:
         q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
         for name, (k_pool, v_pool, scales) in pools.items():
             width = 2 if name == "bf16" else 1
             cells, first = [], None
-            for config in table[name]:
+            for config in PIPELINES[name]:
                 set_launch(name, config)
                 try:
                     t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
@@ -302,6 +301,9 @@ def main() -> None:
     parser.add_argument("--pipeline", action="store_true", help="time deeper load pipelines for both pools")
     parser.add_argument(
         "--order", action="store_true", help="time the batch longest first and shortest first"
+    )
+    parser.add_argument(
+        "--batches", nargs="*", type=int, default=list(BATCHES), help="batch sizes of --order"
     )
     args = parser.parse_args()
     if args.order:
