@@ -5,7 +5,6 @@
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --registers # fp8 launch constants, register cap
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --pipeline  # stage counts that buffer 2-4 deep
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --order     # requests longest first (--batches 128 64)
-    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --halves    # fp8 loop with the head dim in halves
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --once fp8  # a few launches, for ncu
 
 The engine's pool has page size 1, and decode appends one slot per request per step, so a
@@ -285,60 +284,6 @@ def pipeline_sweep() -> None:
         torch.cuda.empty_cache()
 
 
-# (label, head dim in halves, BLOCK_N, num_stages, register cap) of --halves; the first is the
-# whole-head loop the engine used before, the second the engine's launch now.
-HALVES_LAUNCHES = (
-    ("whole 128/3 cap 168", False, 128, 3, 168),
-    ("halves 128/3 cap 128", True, 128, 3, 128),
-    ("halves 128/3 uncapped", True, 128, 3, None),
-    ("halves 128/3 cap 120", True, 128, 3, 120),
-    ("halves 128/5 cap 128", True, 128, 5, 128),
-    ("halves 64/3 cap 96", True, 64, 3, 96),
-    ("halves 64/5 cap 128", True, 64, 5, 128),
-)
-
-
-def halves_study(batches=BATCHES) -> None:
-    """The fp8 pool's loop with the head dim in halves (common.attend_blocks_halves) against the
-    whole-head loop, at each launch of HALVES_LAUNCHES; bf16 at its default for the ceiling.
-    Each launch's output against the first's."""
-    saved = (
-        ad.FP8_D_HALVES,
-        ad.FP8_BLOCK_N,
-        ad.NUM_STAGES,
-        ad.FP8_MAX_REGISTERS,
-        ad.FP8_HALVES_MAX_REGISTERS,
-    )
-    for batch_size in batches:
-        q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
-        k_pool, v_pool, scales = pools["bf16"]
-        t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
-        cells, first = [f"bf16 default: {t:6.1f} us {values * 2 / t / 1e6:4.2f} TB/s"], None
-        k_pool, v_pool, scales = pools["fp8"]
-        for label, halves, block_n, stages, cap in HALVES_LAUNCHES:
-            ad.FP8_D_HALVES, ad.FP8_BLOCK_N, ad.NUM_STAGES = halves, block_n, stages
-            ad.FP8_MAX_REGISTERS = ad.FP8_HALVES_MAX_REGISTERS = cap
-            try:
-                t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
-                out = ad.decode_attention(q, k_pool, v_pool, *common, **scales).float()
-            except Exception as exc:  # out of resources for this launch
-                cells.append(f"{label}: {type(exc).__name__}")
-                continue
-            first = out if first is None else first
-            diff = (out - first).abs().max().item()
-            cells.append(f"{label}: {t:6.1f} us {values / t / 1e6:4.2f} TB/s  max |diff| {diff:.1e}")
-        (
-            ad.FP8_D_HALVES,
-            ad.FP8_BLOCK_N,
-            ad.NUM_STAGES,
-            ad.FP8_MAX_REGISTERS,
-            ad.FP8_HALVES_MAX_REGISTERS,
-        ) = saved
-        print(f"B={batch_size:3d}\n    " + "\n    ".join(cells), flush=True)
-        del pools
-        torch.cuda.empty_cache()
-
-
 def once(dtype: str, batch_size: int) -> None:
     q, pools, common, _ = build("qwen3-0.6b", draw(batch_size), 1)
     k_pool, v_pool, scales = pools[dtype]
@@ -353,7 +298,6 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--splits", action="store_true", help="time split counts at 16-96 running")
     parser.add_argument("--registers", action="store_true", help="sweep the fp8 launch and its register cap")
-    parser.add_argument("--halves", action="store_true", help="time the fp8 loop with the head dim in halves")
     parser.add_argument("--pipeline", action="store_true", help="time deeper load pipelines for both pools")
     parser.add_argument(
         "--order", action="store_true", help="time the batch longest first and shortest first"
@@ -362,9 +306,7 @@ def main() -> None:
         "--batches", nargs="*", type=int, default=list(BATCHES), help="batch sizes of --order"
     )
     args = parser.parse_args()
-    if args.halves:
-        halves_study(args.batches)
-    elif args.order:
+    if args.order:
         order_study(args.batches)
     elif args.pipeline:
         pipeline_sweep()

@@ -124,7 +124,6 @@ def cases():
     for pool, scaled in (("bf16", False), ("fp8e4nv", True)):
         block_n = ad.FP8_BLOCK_N if scaled else ad.BLOCK_N
         for splits, new_kv, window in ((1, False, 0), (4, False, 0), (4, True, 0), (4, True, 4096)):
-            halves = scaled and ad.FP8_D_HALVES and not new_kv  # as decode_attention decides
             constexprs = dict(
                 GROUP=2,
                 HEAD_DIM=128,
@@ -135,7 +134,6 @@ def cases():
                 LINES=1 if scaled else 2,  # 128-byte lines of a 128-dim row
                 LINE_ELEMENTS=128 if scaled else 64,
                 KV_SCALED=scaled,
-                D_HALVES=halves,
                 NEW_KV=new_kv,
                 HAS_NORM=new_kv,
                 BLOCK_H=16,
@@ -149,7 +147,7 @@ def cases():
                 f"decode {pool:7s} {'1 split' if splits == 1 else 'splits'}{' +prologue' if new_kv else ''}"
                 f"{' window' if window else ''}"
             )
-            engine_cap = (ad.FP8_HALVES_MAX_REGISTERS if halves else ad.FP8_MAX_REGISTERS) if scaled else None
+            engine_cap = ad.FP8_MAX_REGISTERS if scaled else None
             yield (
                 label,
                 decode_split_kernel.decode_split_kernel,

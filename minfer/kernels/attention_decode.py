@@ -45,12 +45,6 @@ NUM_STAGES = 3
 # programs per SM, too few loads in flight (ncu, B=256: 2.40 TB/s). Capped at 168 three fit, no
 # spills: 218 -> 185 us at B=256 (128 spills: 209 us). scripts/gpu_decode_layout.py --registers.
 FP8_MAX_REGISTERS = 168
-# An fp8 pool's loop with the head dim in halves (common.attend_blocks_halves): only half a
-# widened block live, 146 registers uncapped; under test with a cap of 128 (four programs an SM).
-# Not with the new-token prologue (batches up to DECODE_PROLOGUE_MAX_BATCH), whose q comes
-# whole from registers: split there, the kernel took 255 registers.
-FP8_D_HALVES = True
-FP8_HALVES_MAX_REGISTERS = 128
 # Not kept: a loop that issues the next key block's loads before this block's products (one more
 # block of K/V held as stored). Graph-timed on an H200 (gpu_decode_layout.py, Qwen3-0.6B heads,
 # twenty-fourth session) it was slower at every batch and launch tried: bf16 B=256 255 -> 283 us
@@ -121,9 +115,7 @@ def decode_attention(
     if batch == 0:
         return out
     prologue, prologue_strides = decode_prologue_args(new_kv, q, seq_lens)
-    halves = k_scale is not None and FP8_D_HALVES and new_kv is None and block_d >= 32
-    cap = FP8_HALVES_MAX_REGISTERS if halves else FP8_MAX_REGISTERS
-    register_cap = {"maxnreg": cap} if k_scale is not None and cap else {}
+    register_cap = {"maxnreg": FP8_MAX_REGISTERS} if k_scale is not None and FP8_MAX_REGISTERS else {}
     decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q,
         k_pool,
@@ -153,7 +145,6 @@ def decode_attention(
         HEAD_DIM=head_dim,
         DIRECT_OUT=num_splits == 1,
         KV_SCALED=k_scale is not None,
-        D_HALVES=halves,
         NEW_KV=new_kv is not None,
         HAS_NORM=new_kv is not None and new_kv.q_norm_weight is not None,
         BLOCK_H=max(16, triton.next_power_of_2(group)),

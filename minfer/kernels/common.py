@@ -165,15 +165,15 @@ def num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def dot(a, b, acc=None):
-    """a @ b (+ acc) accumulated in fp32. fp32 operands get a true fp32 product (the default
-    would be tf32 on tensor cores) so the fp32 path matches the torch reference to fp32 rounding."""
+def dot(a, b):
+    """a @ b accumulated in fp32. fp32 operands get a true fp32 product (the default would be
+    tf32 on tensor cores) so the fp32 path matches the torch reference to fp32 rounding."""
     if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
     elif a.dtype == tl.float32:
-        return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, input_precision="ieee")
     else:
-        return tl.dot(a, b, acc)
+        return tl.dot(a, b)
 
 
 # The largest finite float8_e4m3fn (the format has no infinity). A constexpr: compiled (not
@@ -289,57 +289,3 @@ def attend_blocks(
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
         m_i = m_new
     return m_i, l_i, acc
-
-
-@triton.jit
-def attend_blocks_halves(
-    q_lo,
-    q_hi,
-    m_i,
-    l_i,
-    acc_lo,
-    acc_hi,
-    page_row,
-    k_head,
-    v_head,
-    stride_ks,
-    stride_vs,
-    start,
-    end,
-    sm_scale_log2,
-    offs_n,
-    offs_half,
-    HALF: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """attend_blocks for one decode token (keys [start, end), bounds-masked) with the head dim
-    in two halves: q, each K and V block and the accumulator as [.., HALF] pairs. For an fp8
-    pool. Widened whole, a 128-key block of K and of V is 128 registers a thread and the kernel
-    needs 200 (three programs an SM with a cap at 168); widened a half at a time, only half a
-    block is live and the kernel fits 128, four programs an SM: a third more bytes in flight
-    (docs/PERFORMANCE.md, section 26). The sums are the same products in another order."""
-    lo_mask = offs_half < HEAD_DIM
-    hi_mask = offs_half + HALF < HEAD_DIM
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < end
-        slots = tl.load(page_row + pos, mask=n_mask, other=0).to(tl.int64)
-        k_rows = k_head + slots[:, None] * stride_ks + offs_half[None, :]
-        k = tl.load(k_rows, mask=n_mask[:, None] & lo_mask[None, :], other=0.0).to(q_lo.dtype)
-        scores = dot(q_lo, tl.trans(k))
-        k = tl.load(k_rows + HALF, mask=n_mask[:, None] & hi_mask[None, :], other=0.0).to(q_lo.dtype)
-        scores = dot(q_hi, tl.trans(k), scores) * sm_scale_log2
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(q_lo.dtype)
-        v_rows = v_head + slots[:, None] * stride_vs + offs_half[None, :]
-        v = tl.load(v_rows, mask=n_mask[:, None] & lo_mask[None, :], other=0.0).to(q_lo.dtype)
-        acc_lo = dot(p, v, acc_lo * alpha[:, None])
-        v = tl.load(v_rows + HALF, mask=n_mask[:, None] & hi_mask[None, :], other=0.0).to(q_lo.dtype)
-        acc_hi = dot(p, v, acc_hi * alpha[:, None])
-        m_i = m_new
-    return m_i, l_i, acc_lo, acc_hi

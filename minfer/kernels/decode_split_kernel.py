@@ -9,13 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import (
-    attend_blocks,
-    attend_blocks_halves,
-    fp8_pool_operand,
-    pdl_start,
-    prefetch_l2,
-)
+from minfer.kernels.common import attend_blocks, fp8_pool_operand, pdl_start, prefetch_l2
 from minfer.kernels.new_kv import finish_decode_token, rope_factors
 
 
@@ -60,7 +54,6 @@ def decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
     KV_SCALED: tl.constexpr,
-    D_HALVES: tl.constexpr,
     NEW_KV: tl.constexpr,
     HAS_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -159,7 +152,7 @@ def decode_split_kernel(
             HAS_NORM,
             KV_SCALED,
         )
-    elif not D_HALVES:
+    else:
         q = tl.load(
             q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=h_mask[:, None] & d_mask[None, :],
@@ -167,70 +160,34 @@ def decode_split_kernel(
         )
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
     if KV_SCALED:  # an fp8 cache: K's scale folds into the scores, V's into the output
         sm_scale_log2 = sm_scale_log2 * k_scale
-
+        q = fp8_pool_operand(q)
     # The new token sees every key of [first, seq_len): bounds masking only (q_pos unused).
-    if D_HALVES:  # an fp8 pool, the head dim in two halves (attend_blocks_halves says why)
-        # q's halves are loaded as such: split in registers (tl.split) the kernel took 255
-        # registers instead of 146. The launcher never combines this with NEW_KV.
-        HALF: tl.constexpr = BLOCK_D // 2
-        offs_half = tl.arange(0, HALF)
-        q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_half[None, :]
-        q_lo = tl.load(q_rows, mask=h_mask[:, None] & (offs_half < HEAD_DIM)[None, :], other=0.0)
-        q_hi = tl.load(
-            q_rows + HALF, mask=h_mask[:, None] & (offs_half + HALF < HEAD_DIM)[None, :], other=0.0
-        )
-        acc_lo = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
-        acc_hi = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
-        m_i, l_i, acc_lo, acc_hi = attend_blocks_halves(
-            fp8_pool_operand(q_lo),
-            fp8_pool_operand(q_hi),
-            m_i,
-            l_i,
-            acc_lo,
-            acc_hi,
-            page_row,
-            k_head,
-            v_head,
-            stride_ks,
-            stride_vs,
-            start,
-            end,
-            sm_scale_log2,
-            offs_n,
-            offs_half,
-            HALF,
-            HEAD_DIM,
-            BLOCK_N,
-        )
-        acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), [BLOCK_H, BLOCK_D])
-    else:
-        if KV_SCALED:
-            q = fp8_pool_operand(q)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        m_i, l_i, acc = attend_blocks(
-            q,
-            m_i,
-            m_i,
-            l_i,
-            acc,
-            page_row,
-            k_head,
-            v_head,
-            stride_ks,
-            stride_vs,
-            start,
-            end,
-            sm_scale_log2,
-            offs_n,
-            offs_d,
-            d_mask,
-            True,
-            False,
-            BLOCK_N,
-            0,
-        )
+    m_i, l_i, acc = attend_blocks(
+        q,
+        m_i,
+        m_i,
+        l_i,
+        acc,
+        page_row,
+        k_head,
+        v_head,
+        stride_ks,
+        stride_vs,
+        start,
+        end,
+        sm_scale_log2,
+        offs_n,
+        offs_d,
+        d_mask,
+        True,
+        False,
+        BLOCK_N,
+        0,
+    )
 
     # An empty slice (split past the end) has l_i = 0: its output is 0 and its lse -inf.
     l_safe = tl.where(l_i > 0, l_i, 1.0)

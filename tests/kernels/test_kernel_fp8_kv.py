@@ -15,7 +15,7 @@ from kernel_cases import make_paged_batch, tolerance
 from minfer.attention.base import ForwardContext, build_metadata
 from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.attention.triton_backend import TritonAttentionBackend
-from minfer.kernels import attention_decode, attention_extend
+from minfer.kernels import attention_extend
 from minfer.kernels.attention_decode import decode_attention
 from minfer.kernels.attention_extend import extend_attention
 from minfer.kernels.attention_reference import decode_attention_reference, extend_attention_reference
@@ -116,12 +116,8 @@ def test_rope_store_writes_what_kvpool_store_writes(dtype, num_heads, num_kv_hea
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("halves, head_dim", [(True, 64), (True, 80), (False, 64)])
-def test_decode_reads_fp8(dtype, halves, head_dim, device, monkeypatch):
-    """Both loops of an fp8 pool: the head dim in halves (the default; 80 leaves the upper half
-    partly masked) and whole."""
-    monkeypatch.setattr(attention_decode, "FP8_D_HALVES", halves)
-    num_kv_heads, group = 3, 2
+def test_decode_reads_fp8(dtype, device):
+    num_kv_heads, group, head_dim = 3, 2, 64
     seq_lens = [1, 37, 130]
     gen = _gen("decode", str(dtype))
     batch = make_paged_batch(
