@@ -58,21 +58,12 @@ def choose_num_splits(
     """Splits per (request, kv head), from sizes that stay fixed while a CUDA graph replays.
 
     Aim for about two programs per SM in pass 1 when the batch alone does not fill the GPU,
-    and at least two splits while the batch gives at most four programs per SM; never more
-    splits than key blocks in the longest possible sequence, at most MAX_SPLITS.
+    never more splits than key blocks in the longest possible sequence, at most MAX_SPLITS.
     Measured on an H200 (Llama-8B heads, do_bench medians): B=1 at 32k context 88 us with 32
-    splits, 95 us with 64, 102 us with 16. The second rule, graph-timed on an H200 with
-    Qwen3-0.6B heads and the batch longest first, as the scheduler orders it (twenty-fifth
-    session, `scripts/gpu_decode_layout.py --order`): B=64, contexts 100-2048, bf16 82.3 -> 73.1
-    us with 2 splits, fp8 67.6 -> 58.0 (contexts 512-1536: 71.6 -> 68.3, 57.4 -> 55.7); with one
-    split a batch that is about one wave of programs ends on a few long requests. From B=96 (six
-    programs per SM) two splits were slower by up to 8%, and four splits slower at every size.
+    splits, 95 us with 64, 102 us with 16; B=64 at mean context 1084 within 3% for 1..4 splits.
     """
     sms = num_sms(device)
-    programs = batch_size * num_kv_heads
-    want = triton.cdiv(2 * sms, programs)
-    if programs <= 4 * sms:
-        want = max(want, 2)
+    want = triton.cdiv(2 * sms, batch_size * num_kv_heads)
     return max(1, min(want, MAX_SPLITS, triton.cdiv(max_context, block_n)))
 
 

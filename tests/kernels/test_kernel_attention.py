@@ -15,7 +15,6 @@ from minfer.kernels import attention_extend
 from minfer.kernels.attention_decode import choose_num_splits, decode_attention
 from minfer.kernels.attention_extend import extend_attention, extend_tiles
 from minfer.kernels.attention_reference import decode_attention_reference, extend_attention_reference
-from minfer.kernels.common import num_sms
 from minfer.kvcache.pool import KVPool
 
 
@@ -72,10 +71,6 @@ def test_num_splits_depend_only_on_static_sizes(device):
     assert choose_num_splits(1, 1, 40960, device) > 1  # one request alone is spread out
     assert choose_num_splits(1, 8, 40960, device) >= choose_num_splits(256, 8, 40960, device)
     assert choose_num_splits(256, 8, 40960, device) == 1  # a big batch fills the GPU by itself
-    # about one wave of programs (at most four per SM) still takes two splits
-    sms = num_sms(device)
-    assert choose_num_splits(4 * sms // 8, 8, 40960, device) == 2
-    assert choose_num_splits(4 * sms // 8 + 1, 8, 40960, device) == 1
     assert choose_num_splits(1, 1, 64, device) == 1  # never more splits than key blocks
     assert choose_num_splits(1, 1, 10**6, device) <= 64
 
