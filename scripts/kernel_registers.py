@@ -134,7 +134,6 @@ def cases():
                 LINES=1 if scaled else 2,  # 128-byte lines of a 128-dim row
                 LINE_ELEMENTS=128 if scaled else 64,
                 KV_SCALED=scaled,
-                SCALE_IN_EXP=ad.SCALE_IN_EXP["fp8" if scaled else "bf16"],
                 NEW_KV=new_kv,
                 HAS_NORM=new_kv,
                 BLOCK_H=16,

@@ -49,8 +49,6 @@ FP8_MAX_REGISTERS = 168
 # block of K/V held as stored). Graph-timed on an H200 (gpu_decode_layout.py, Qwen3-0.6B heads,
 # twenty-fourth session) it was slower at every batch and launch tried: bf16 B=256 255 -> 283 us
 # at best, fp8 B=256 185 -> 343 us at best (the held fp8 block spills at the register cap).
-# The softmax scale folded into the exponent (common.attend_blocks' SCALE_IN_EXP), per pool.
-SCALE_IN_EXP = {"bf16": False, "fp8": True}
 CACHE_LINE = 128  # bytes: the granule of the first key block's L2 prefetch
 
 
@@ -147,7 +145,6 @@ def decode_attention(
         HEAD_DIM=head_dim,
         DIRECT_OUT=num_splits == 1,
         KV_SCALED=k_scale is not None,
-        SCALE_IN_EXP=SCALE_IN_EXP["fp8" if k_scale is not None else "bf16"],
         NEW_KV=new_kv is not None,
         HAS_NORM=new_kv is not None and new_kv.q_norm_weight is not None,
         BLOCK_H=max(16, triton.next_power_of_2(group)),

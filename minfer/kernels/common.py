@@ -245,7 +245,6 @@ def attend_blocks(
     CAUSAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr,
-    SCALE_IN_EXP: tl.constexpr = False,
 ):
     """Online-softmax steps of q's rows over keys [start, end), gathered slot by slot through
     a page-table row; returns the updated (running max, running sum, accumulator), base 2.
@@ -254,11 +253,6 @@ def attend_blocks(
     CAUSAL (with MASKED): the row at position q_pos[i] sees keys at positions <= q_pos[i].
     WINDOW > 0 (with CAUSAL): and only keys at positions > q_pos[i] - WINDOW; a row may then
     see no key of a block yet, so its running maximum may still be -inf.
-    SCALE_IN_EXP: keep the scores raw and fold the scale into the exponent, exp2(s * scale - m),
-    one FMA a score where the default takes a multiply and a subtraction (the running max is
-    the same: scaling by a positive number commutes with max and with rounding). Measured 8%
-    slower in the extend kernel (docs/BENCHMARKS.md, nineteenth session); the decode kernel's
-    fp8 launch, which issues more than it waits on memory, takes it (section 27).
     Used by the decode kernel (masked, not causal) and the extend kernel (both ways)."""
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
@@ -274,9 +268,7 @@ def attend_blocks(
         k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0).to(
             q.dtype
         )
-        scores = dot(q, tl.trans(k))
-        if not SCALE_IN_EXP:
-            scores = scores * sm_scale_log2
+        scores = dot(q, tl.trans(k)) * sm_scale_log2
         if MASKED:
             visible = n_mask[None, :]
             if CAUSAL:
@@ -284,18 +276,12 @@ def attend_blocks(
             if WINDOW > 0:
                 visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
             scores = tl.where(visible, scores, float("-inf"))
-        if SCALE_IN_EXP:
-            m_new = tl.maximum(m_i, tl.max(scores, 1) * sm_scale_log2)
-        else:
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_base = m_new
         if WINDOW > 0:  # a row with no key yet: exp2(-inf - 0) = 0 rather than exp2(nan)
             m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_base)
-        if SCALE_IN_EXP:
-            p = tl.exp2(scores * sm_scale_log2 - m_base[:, None])
-        else:
-            p = tl.exp2(scores - m_base[:, None])
+        p = tl.exp2(scores - m_base[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0).to(
             q.dtype

@@ -54,7 +54,6 @@ def decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
     KV_SCALED: tl.constexpr,
-    SCALE_IN_EXP: tl.constexpr,
     NEW_KV: tl.constexpr,
     HAS_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -188,7 +187,6 @@ def decode_split_kernel(
         False,
         BLOCK_N,
         0,
-        SCALE_IN_EXP,
     )
 
     # An empty slice (split past the end) has l_i = 0: its output is 0 and its lse -inf.
