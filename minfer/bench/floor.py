@@ -31,6 +31,10 @@ class Card:
 
 
 H200 = Card("H200", 4.26e12, 790e12)  # measured on the GPU host, see ../shared/gpu/README.md
+# The same two figures' sizes on another GPU: a 1 GiB copy (far past any L2) and the bf16 8192^3
+# GEMM the H200's rate comes from.
+CUDA_COPY_BYTES = 2**30
+CUDA_GEMM_SIZE = 8192
 
 # Big enough to leave the CPU caches far behind (hundreds of MB of L3 at most), small enough to
 # measure in well under a second.
@@ -67,6 +71,45 @@ def measure_host_card(repeats: int = 5) -> Card:
         2 * HOST_COPY_BYTES / copy_s,
         2 * HOST_GEMM_SIZE**3 / gemm_s,
     )
+
+
+def cuda_card(device, repeats: int = 5) -> Card:
+    """The card a CUDA run's floor is computed for. On an H200, the H200's figures above (every
+    GPU figure in docs/BENCHMARKS.md is against them); on any other GPU, that GPU measured now
+    (the two figures the H200's card holds, timed with CUDA events), so that a run on an H100,
+    say, is not compared with an H200's floor. Call it before the engine takes the memory."""
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    if "H200" in name:
+        return H200
+    copy_s, gemm_s = _time_cuda_copy_and_gemm(device, repeats)
+    torch.cuda.empty_cache()  # the engine that follows sizes its KV cache from the free memory
+    return Card(f"{name} (measured)", 2 * CUDA_COPY_BYTES / copy_s, 2 * CUDA_GEMM_SIZE**3 / gemm_s)
+
+
+def _time_cuda_copy_and_gemm(device, repeats: int) -> tuple[float, float]:
+    """Best seconds of a CUDA_COPY_BYTES device-to-device copy and of a bf16 CUDA_GEMM_SIZE^3
+    product, timed with CUDA events."""
+    import torch
+
+    src = torch.ones(CUDA_COPY_BYTES // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    a = torch.randn(CUDA_GEMM_SIZE, CUDA_GEMM_SIZE, dtype=torch.bfloat16, device=device)
+
+    def best(fn) -> float:
+        fn()  # cuBLAS picks its kernel, the allocator settles
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return min(times)
+
+    return best(lambda: dst.copy_(src)), best(lambda: a @ a)
 
 
 @dataclass(frozen=True)

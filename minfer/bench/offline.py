@@ -11,7 +11,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from minfer.bench.floor import H200, MoeWeights, attention_flops_per_pair, measure_host_card, workload_floor
+from minfer.bench.floor import (
+    MoeWeights,
+    attention_flops_per_pair,
+    cuda_card,
+    measure_host_card,
+    workload_floor,
+)
 from minfer.bench.workloads import nano_vllm_draw
 from minfer.config import EngineConfig
 from minfer.core import SamplingParams
@@ -51,6 +57,16 @@ def moe_weights_of(model, tp_size: int) -> MoeWeights | None:
     )
 
 
+def _gpu_card(device: str):
+    """floor.cuda_card of the GPU a run on `device` (the config's: auto, cpu or cuda) will use,
+    or None for a CPU run."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return None
+    return cuda_card(torch.device("cuda", torch.cuda.current_device()))
+
+
 def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     from minfer import LLM
     from minfer.engine.engine import freeze_long_lived_objects
@@ -63,6 +79,7 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
         and "/" not in config.model
     ):
         config.load_format = "dummy"
+    gpu_card = _gpu_card(config.device)  # measured, if at all, while the GPU's memory is free
     llm = LLM(**vars(config))
     prompts, params = make_workload(args.num_requests, args.input_len, args.output_len, args.bench_seed)
     vocab = llm.engine.vocab_size
@@ -93,9 +110,9 @@ def run_offline_bench(config: EngineConfig, args: argparse.Namespace) -> int:
     from minfer.models.quantize import decode_weight_bytes
 
     num_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
-    # On CUDA the floor is the H200's (the card the figures are measured on); on a CPU, the
-    # host's own measured bandwidth and GEMM rate: an H200 floor says nothing about a CPU run.
-    card = measure_host_card() if engine.device.type == "cpu" else H200.times(engine.tp.size)
+    # On a CPU the floor is the host's own measured bandwidth and GEMM rate (an H200 floor says
+    # nothing about a CPU run); on CUDA, `cuda_card`'s: the H200's, or this GPU's, measured.
+    card = measure_host_card() if engine.device.type == "cpu" else gpu_card.times(engine.tp.size)
     floor = workload_floor(
         card,
         num_params * engine.tp.size,

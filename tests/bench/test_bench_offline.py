@@ -6,6 +6,9 @@ import re
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from minfer.bench.floor import H200, measure_host_card, workload_floor
 from minfer.bench.offline import make_workload
 
@@ -131,3 +134,29 @@ def test_moe_floor_reads_the_experts_a_step_can_touch():
     assert floor.decode_seconds == 2 * (2 * dense_params + 48 * 8 * moe.bytes_per_expert) / H200.bandwidth
     active = dense_params + 48 * 8 * moe.params_per_expert
     assert floor.prefill_seconds == 2 * active * 10 / H200.matmul_rate
+
+
+def test_a_cpu_run_takes_no_gpu_card():
+    """`bench offline --device cpu` (and any run on a machine without CUDA) is compared with
+    the host's own measured floor, never a GPU's."""
+    from minfer.bench.offline import _gpu_card
+
+    assert _gpu_card("cpu") is None
+    if not torch.cuda.is_available():
+        assert _gpu_card("auto") is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_run_is_compared_with_its_own_card():
+    """On an H200 the floor keeps the H200's measured figures; on any other GPU (an H100 printed
+    "floor on H200" until the twenty-fifth session) it is that GPU's, measured."""
+    from minfer.bench.floor import cuda_card
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    card = cuda_card(device)
+    if "H200" in torch.cuda.get_device_name(device):
+        assert card is H200
+    else:
+        assert card.name.endswith("(measured)") and torch.cuda.get_device_name(device) in card.name
+        assert 0.2e12 < card.bandwidth < 20e12, card  # bytes/s, read + written
+        assert 20e12 < card.matmul_rate < 5e15, card  # bf16 FLOP/s
