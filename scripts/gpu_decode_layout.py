@@ -1,7 +1,7 @@
 """Where the paged decode kernel's time goes: slot layout, split count, fp8 launch (H200).
 
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py            # the timing table
-    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --splits    # split counts at 16-96 running
+    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --splits    # split counts at 16-96 running, sorted
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --registers # fp8 launch constants, register cap
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --pipeline  # stage counts that buffer 2-4 deep
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --order     # requests longest first (--batches 128 64)
@@ -159,27 +159,38 @@ def order_study(batches=BATCHES) -> None:
             torch.cuda.empty_cache()
 
 
-def splits_study() -> None:
-    """Decode time by explicit split count around the batch sizes where the default turns to
-    one split, to see whether the choice (choose_num_splits) or something else costs there."""
-    for batch_size in (16, 24, 32, 48, 64, 96):
-        q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
+def splits_study(batches=(16, 24, 32, 40, 48, 56, 64, 80, 96)) -> None:
+    """Decode time by explicit split count, the batch longest first as the scheduler orders it
+    (contexts 100-2048, the spread the offline workload's tail has), at the batch sizes where
+    the default turns to one split. Each cell also gives the launch's programs per SM: with one
+    split a batch under one wave of programs (bf16 fits 4 an SM, fp8 3) leaves SMs idle, and two
+    splits of a batch just over a wave make a second, short one (docs/PERFORMANCE.md section 26:
+    two splits at 33-66 running paid for a batch of 64 alone and cost fp8 3.11 -> 3.25 ms a step
+    in the engine). A rule that counts waves per pool would be chosen from this table."""
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    for batch_size in batches:
+        rng = random.Random(batch_size)
+        lens = sorted((rng.randint(100, 2048) for _ in range(batch_size)), reverse=True)
+        q, pools, common, values = build("qwen3-0.6b", lens, 1)
         for name, (k_pool, v_pool, scales) in pools.items():
             width = 2 if name == "bf16" else 1
             block_n = ad.FP8_BLOCK_N if scales else ad.BLOCK_N
-            default = ad.choose_num_splits(batch_size, k_pool.shape[1], common[0].shape[1], DEVICE, block_n)
+            num_kv_heads = k_pool.shape[1]
+            default = ad.choose_num_splits(batch_size, num_kv_heads, common[0].shape[1], DEVICE, block_n)
             cells = []
-            for splits in (1, 2, 3, 4, 6, 8):
+            for splits in (1, 2, 3, 4):
                 t = timed(
                     lambda: ad.decode_attention(q, k_pool, v_pool, *common, num_splits=splits, **scales)
                 )
-                cells.append(f"{splits}:{t:6.1f}")
+                cells.append(f"{splits}: {t:6.1f} us ({batch_size * num_kv_heads * splits / sms:4.1f}/SM)")
             t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
             print(
-                f"B={batch_size:3d} {name:5s} default {default} splits {t:6.1f} us "
-                f"({values * width / t / 1e6:4.2f} TB/s) | " + " ".join(cells),
+                f"B={batch_size:3d} {name:5s} default {default} split(s) {t:6.1f} us "
+                f"({values * width / t / 1e6:4.2f} TB/s) | " + " | ".join(cells),
                 flush=True,
             )
+        del pools
+        torch.cuda.empty_cache()
 
 
 def register_sweep() -> None:
@@ -303,17 +314,17 @@ def main() -> None:
         "--order", action="store_true", help="time the batch longest first and shortest first"
     )
     parser.add_argument(
-        "--batches", nargs="*", type=int, default=list(BATCHES), help="batch sizes of --order"
+        "--batches", nargs="*", type=int, help="batch sizes of --order or --splits (default: each one's own)"
     )
     args = parser.parse_args()
     if args.order:
-        order_study(args.batches)
+        order_study(args.batches or BATCHES)
     elif args.pipeline:
         pipeline_sweep()
     elif args.registers:
         register_sweep()
     elif args.splits:
-        splits_study()
+        splits_study(*[args.batches] if args.batches else [])
     elif args.once:
         once(args.once, args.batch)
     else:
