@@ -90,15 +90,22 @@ class LowBitWeight:
 
 
 @functools.cache
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has native bfloat16 products (AMX or AVX-512 BF16), which both the bf16
+    dense matrix and oneDNN's bf16 layout (`prepack`) need."""
+    probes = [
+        getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    ]
+    return any(probe is not None and probe() for probe in probes)
+
+
+@functools.cache
 def dense_dtype() -> torch.dtype:
     """The dtype of a low-bit layer's dense matrix: bfloat16 where the CPU multiplies it natively
     (MINFER_LOW_BIT_DENSE=float32 forces float32, for A/B measurements)."""
     if os.environ.get("MINFER_LOW_BIT_DENSE") == "float32":
         return torch.float32
-    probes = [
-        getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    ]
-    return torch.bfloat16 if any(probe is not None and probe() for probe in probes) else torch.float32
+    return torch.bfloat16 if cpu_multiplies_bf16() else torch.float32
 
 
 def prepack(dense: torch.Tensor) -> torch.Tensor | None:
@@ -106,13 +113,16 @@ def prepack(dense: torch.Tensor) -> torch.Tensor | None:
     apply. F.linear re-lays the weight out on every call; pre-laid out, the same products
     (bit-identical) took 23 vs 33 ms over SmolLM2-135M's 120 matrices at 16 rows, 46 vs 66 at
     256, 76 vs 99 at 512, and no less from ~1,000 rows (one thread, AMX). It is a second copy
-    of the dense matrix (+203 MB on that model, +56 MB for its head's).
+    of the dense matrix (+203 MB on that model, +56 MB for its head's). None on a CPU without
+    native bf16 products, where the dense matrix is float32 anyway (`dense_dtype`).
     MINFER_LOW_BIT_PREPACK=0 keeps F.linear, for A/B measurements."""
     if (
         dense.dtype != torch.bfloat16
         or os.environ.get("MINFER_LOW_BIT_PREPACK") == "0"
         or _PACKED_LINEAR is None
         or not torch.backends.mkldnn.is_available()
+        # without native bf16 oneDNN refuses the layout ("bf16 path needs the cpu support ...")
+        or not cpu_multiplies_bf16()
     ):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(dense, PREPACK_ROWS_HINT)

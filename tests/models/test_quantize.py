@@ -153,7 +153,7 @@ def test_prepacked_dense_matrix_gives_f_linear_bits():
     dense = torch.randn(96, 64).bfloat16()
     packed = prepack(dense)
     if packed is None:
-        pytest.skip("no oneDNN here")
+        pytest.skip("no oneDNN bf16 layout here (no oneDNN, or no native bf16 products on this CPU)")
     codes, scales, mins = quantize_int4(dense.float())
     low_bit = int4_from_blocks(codes, scales, mins)
     low_bit.max_rows, low_bit.dense_packed = 2, packed
