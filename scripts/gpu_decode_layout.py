@@ -159,7 +159,10 @@ def order_study(batches=BATCHES) -> None:
             torch.cuda.empty_cache()
 
 
-def splits_study(batches=(16, 24, 32, 40, 48, 56, 64, 80, 96)) -> None:
+SPLITS_BATCHES = (16, 24, 32, 40, 48, 56, 64, 80, 96)  # around where the default turns to one split
+
+
+def splits_study(batches=SPLITS_BATCHES) -> None:
     """Decode time by explicit split count, the batch longest first as the scheduler orders it
     (contexts 100-2048, the spread the offline workload's tail has), at the batch sizes where
     the default turns to one split. Each cell also gives the launch's programs per SM: with one
@@ -324,7 +327,7 @@ def main() -> None:
     elif args.registers:
         register_sweep()
     elif args.splits:
-        splits_study(*[args.batches] if args.batches else [])
+        splits_study(args.batches or SPLITS_BATCHES)
     elif args.once:
         once(args.once, args.batch)
     else:
