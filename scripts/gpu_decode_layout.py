@@ -5,6 +5,7 @@
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --registers # fp8 launch constants, register cap
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --pipeline  # stage counts that buffer 2-4 deep
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --order     # requests longest first (--batches 128 64)
+    PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --widen     # fp8: V widened at load or not
     PYTHONPATH=$PWD python3 scripts/gpu_decode_layout.py --once fp8  # a few launches, for ncu
 
 The engine's pool has page size 1, and decode appends one slot per request per step, so a
@@ -298,6 +299,48 @@ def pipeline_sweep() -> None:
         torch.cuda.empty_cache()
 
 
+# (V widened in PTX at load, BLOCK_N, warps, stages, register cap) for --widen; the first row is
+# the launch without the widening, the second the default. Widened, the launch needs 138-144
+# registers and 74 KB of shared memory (V's fp16 tile), so a cap of 168 no longer matters and
+# fewer stages or a smaller block could fit a fourth program per SM.
+WIDEN_LAUNCHES = [
+    (False, 128, 4, 3, 168),
+    (True, 128, 4, 3, 168),
+    (True, 128, 4, 2, 168),
+    (True, 128, 4, 2, 128),
+    (True, 64, 4, 3, 128),
+    (True, 64, 4, 3, None),
+    (True, 64, 4, 4, 128),
+    (True, 128, 8, 3, 128),
+]
+
+
+def widen_study(batches=BATCHES) -> None:
+    """The fp8 launch with V widened where it is loaded (common.widen_e4m3_rows) against without,
+    and widened launches with other constants, graph-timed at 16-256 running; each output
+    against the first launch's (the widening is exact, so they should agree to rounding)."""
+    saved = (ad.FP8_PTX_WIDEN, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS)
+    for batch_size in batches:
+        q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
+        k_pool, v_pool, scales = pools["fp8"]
+        cells, first = [], None
+        for config in WIDEN_LAUNCHES:
+            ad.FP8_PTX_WIDEN, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS = config
+            try:
+                t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
+                out = ad.decode_attention(q, k_pool, v_pool, *common, **scales).float()
+            except Exception as exc:  # out of shared memory for this configuration
+                cells.append(f"{config}: {type(exc).__name__}")
+                continue
+            first = out if first is None else first
+            diff = (out - first).abs().max().item()
+            cells.append(f"{config}: {t:6.1f} us {values / t / 1e6:4.2f} TB/s  max |diff| {diff:.1e}")
+        ad.FP8_PTX_WIDEN, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS = saved
+        print(f"B={batch_size:3d} fp8\n    " + "\n    ".join(cells), flush=True)
+        del pools
+        torch.cuda.empty_cache()
+
+
 def once(dtype: str, batch_size: int) -> None:
     q, pools, common, _ = build("qwen3-0.6b", draw(batch_size), 1)
     k_pool, v_pool, scales = pools[dtype]
@@ -313,6 +356,7 @@ def main() -> None:
     parser.add_argument("--splits", action="store_true", help="time split counts at 16-96 running")
     parser.add_argument("--registers", action="store_true", help="sweep the fp8 launch and its register cap")
     parser.add_argument("--pipeline", action="store_true", help="time deeper load pipelines for both pools")
+    parser.add_argument("--widen", action="store_true", help="fp8: V widened at load against not")
     parser.add_argument(
         "--order", action="store_true", help="time the batch longest first and shortest first"
     )
@@ -324,6 +368,8 @@ def main() -> None:
         order_study(args.batches or BATCHES)
     elif args.pipeline:
         pipeline_sweep()
+    elif args.widen:
+        widen_study(args.batches or BATCHES)
     elif args.registers:
         register_sweep()
     elif args.splits:

@@ -99,8 +99,12 @@ def compile_for_h200(kernel, pool: str, constexprs: dict, num_warps: int, num_st
 
 
 # Instruction classes worth counting in an attention or GEMM kernel: tensor-core products, the
-# fp32 arithmetic of the softmax, exp2 (MUFU), and the loads.
-OP_CLASSES = ("HGMMA", "HMMA", "FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "F2FP", "LDGSTS", "LDG", "STG", "BAR")
+# fp32 arithmetic of the softmax, exp2 (MUFU), the loads, and the shared-memory traffic and
+# register shuffling (LDS, LDSM, STS, IMAD, PRMT, SEL) that operand layout changes cost.
+OP_CLASSES = (
+    "HGMMA", "HMMA", "FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "F2FP", "LDGSTS", "LDG", "STG", "BAR",
+    "LDS", "LDSM", "STS", "IMAD", "PRMT", "SEL",
+)  # fmt: skip
 
 
 def op_counts(sass: str) -> str:
@@ -133,6 +137,7 @@ def cases():
                 PREFETCH=new_kv,
                 LINES=1 if scaled else 2,  # 128-byte lines of a 128-dim row
                 LINE_ELEMENTS=128 if scaled else 64,
+                V_PTX_WIDEN=scaled,
                 KV_SCALED=scaled,
                 NEW_KV=new_kv,
                 HAS_NORM=new_kv,
@@ -235,6 +240,7 @@ def main() -> None:
     parser.add_argument(
         "--ops", metavar="TEXT", help="also print the SASS instruction mix of launches whose name has TEXT"
     )
+    parser.add_argument("--only", metavar="TEXT", help="compile only the launches whose name has TEXT")
     args = parser.parse_args()
     print(f"triton {triton.__version__}, target sm_90 (the device's Triton is 3.6: see the docstring)")
     print("(* the cap the engine launches with)")
@@ -242,6 +248,8 @@ def main() -> None:
         f"{'launch':32s} {'cap':>5s} {'registers':>9s} {'spill B':>7s} {'shared B':>8s} {'programs/SM':>11s}"
     )
     for label, kernel, pool, constexprs, warps, stages, engine_cap in gemv_cases() if args.gemv else cases():
+        if args.only and args.only not in label:
+            continue
         for cap in dict.fromkeys([None, engine_cap, *args.caps]):
             registers, spill, shared, sass = compile_for_h200(kernel, pool, constexprs, warps, stages, cap)
             mark = "*" if cap == engine_cap else " "

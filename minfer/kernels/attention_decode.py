@@ -27,7 +27,7 @@ import torch
 import triton
 
 from minfer.kernels.attention_merge import merge_splits
-from minfer.kernels.common import CHAIN_ROWS, num_sms, pdl_args
+from minfer.kernels.common import CHAIN_ROWS, num_sms, pdl_args, ptx_widens_e4m3
 from minfer.kernels.decode_split_kernel import decode_split_kernel
 from minfer.kernels.new_kv import NewKV, decode_prologue_args
 
@@ -49,6 +49,10 @@ FP8_MAX_REGISTERS = 168
 # block of K/V held as stored). Graph-timed on an H200 (gpu_decode_layout.py, Qwen3-0.6B heads,
 # twenty-fourth session) it was slower at every batch and launch tried: bf16 B=256 255 -> 283 us
 # at best, fp8 B=256 185 -> 343 us at best (the held fp8 block spills at the register cap).
+# An fp8 pool's V is widened to fp16 where it is loaded, in PTX (common.widen_e4m3_rows): the
+# launch compiles to 1,336 SASS instructions instead of 1,768 (sm_90, Triton 3.6). A switch for
+# A/B runs (scripts/gpu_decode_layout.py --widen).
+FP8_PTX_WIDEN = True
 CACHE_LINE = 128  # bytes: the granule of the first key block's L2 prefetch
 
 
@@ -156,6 +160,7 @@ def decode_attention(
         PREFETCH=batch <= CHAIN_ROWS,
         LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_pool.element_size(), CACHE_LINE)),
         LINE_ELEMENTS=CACHE_LINE // k_pool.element_size(),
+        V_PTX_WIDEN=k_scale is not None and FP8_PTX_WIDEN and ptx_widens_e4m3(q.device),
         **register_cap,
         **pdl_args(q.device, batch),
     )

@@ -223,6 +223,35 @@ def fp8_pool_operand(q):
     return q
 
 
+@functools.cache
+def ptx_widens_e4m3(device: torch.device) -> bool:
+    """Whether widen_e4m3_rows can run on `device`: compiled kernels (not the interpreter) on
+    compute capability 8.9 or later, where PTX has the e4m3 -> fp16 conversion."""
+    return not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@triton.jit
+def widen_e4m3_rows(x):
+    """An e4m3 tensor as fp16 (exact), converted in the layout it was loaded in.
+
+    Why not `x.to(tl.float16)`: when x feeds tl.dot as its right operand, Triton moves the
+    conversion past the layout change into the tensor-core operand layout (fewer bytes through
+    shared memory), and for V in decode attention that layout change is the costly part: an
+    operand register wants two keys of one column while V's bytes lie along the head dim, and
+    sm_90 has no transposing 8-bit ldmatrix, so the bytes were gathered one by one (230 LDS and
+    ~420 IMAD of a 1,768-instruction launch, scripts/kernel_registers.py). Triton does not move
+    inline assembly that is marked impure, so the widening stays here and the fp16 tile takes
+    the bf16 kernel's path (one store, transposing 16-bit ldmatrix): 1,336 instructions."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r",
+        [x.to(tl.uint8, bitcast=True)],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
 @triton.jit
 def attend_blocks(
     q,
@@ -245,6 +274,7 @@ def attend_blocks(
     CAUSAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr,
+    V_PTX_WIDEN: tl.constexpr = False,
 ):
     """Online-softmax steps of q's rows over keys [start, end), gathered slot by slot through
     a page-table row; returns the updated (running max, running sum, accumulator), base 2.
@@ -253,6 +283,7 @@ def attend_blocks(
     CAUSAL (with MASKED): the row at position q_pos[i] sees keys at positions <= q_pos[i].
     WINDOW > 0 (with CAUSAL): and only keys at positions > q_pos[i] - WINDOW; a row may then
     see no key of a block yet, so its running maximum may still be -inf.
+    V_PTX_WIDEN: an fp8 pool's V widened where it is loaded (widen_e4m3_rows); see there.
     Used by the decode kernel (masked, not causal) and the extend kernel (both ways)."""
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
@@ -283,9 +314,10 @@ def attend_blocks(
         alpha = tl.exp2(m_i - m_base)
         p = tl.exp2(scores - m_base[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0).to(
-            q.dtype
-        )
+        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        if V_PTX_WIDEN:
+            v = widen_e4m3_rows(v)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
         m_i = m_new
     return m_i, l_i, acc

@@ -65,6 +65,7 @@ def decode_split_kernel(
     PREFETCH: tl.constexpr,
     LINES: tl.constexpr,
     LINE_ELEMENTS: tl.constexpr,
+    V_PTX_WIDEN: tl.constexpr,
 ):
     # Grid (kv head, request, split), kv head fastest: one request's heads, which read nearby parts
     # of the same slot rows, run side by side. H200, graph-timed, Qwen3-0.6B heads, B=256 ctx~1024
@@ -187,6 +188,7 @@ def decode_split_kernel(
         False,
         BLOCK_N,
         0,
+        V_PTX_WIDEN,
     )
 
     # An empty slice (split past the end) has l_i = 0: its output is 0 and its lse -inf.
