@@ -201,6 +201,7 @@ def register_sweep() -> None:
     """The fp8 pool's launch constants with a register cap: uncapped the kernel takes 200
     registers per thread (two programs of 4 warps per SM); a cap trades spills for programs."""
     caps = {4: (None, 168, 128, 96), 8: (None, 128, 96)}
+    ad.FP8_PTX_WIDEN = False  # the launch these constants belong to (--widen times the other)
     for batch_size in (256, 64, 16):
         q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
         k_pool, v_pool, scales = pools["fp8"]
@@ -275,6 +276,7 @@ def pipeline_sweep() -> None:
     """Each pool's launch with deeper load pipelines (PIPELINES), graph-timed at 16-256 running;
     each launch's output against the first (default) launch's."""
     saved = (ad.BLOCK_N, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS)
+    ad.FP8_PTX_WIDEN = False  # the fp8 rows are the launch without V widened at load (see --widen)
     for batch_size in BATCHES:
         q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
         for name, (k_pool, v_pool, scales) in pools.items():
@@ -300,32 +302,46 @@ def pipeline_sweep() -> None:
 
 
 # (V widened in PTX at load, BLOCK_N, warps, stages, register cap) for --widen; the first row is
-# the launch without the widening, the second the default. Widened, the launch needs 138-144
-# registers and 74 KB of shared memory (V's fp16 tile), so a cap of 168 no longer matters and
-# fewer stages or a smaller block could fit a fourth program per SM.
+# the launch without the widening, the second the default. Widened, the launch needs 138-148
+# registers, so no cap, and V's fp16 tile takes 32 KB of shared memory beside the fp8 buffers:
+# 3 stages (one buffer) fit three programs an SM, 5 (two buffers) two, 7 one.
 WIDEN_LAUNCHES = [
     (False, 128, 4, 3, 168),
-    (True, 128, 4, 3, 168),
-    (True, 128, 4, 2, 168),
-    (True, 128, 4, 2, 128),
-    (True, 64, 4, 3, 128),
-    (True, 64, 4, 3, None),
-    (True, 64, 4, 4, 128),
-    (True, 128, 8, 3, 128),
+    (True, 128, 4, 5, None),
+    (True, 128, 4, 3, None),
+    (True, 128, 4, 7, None),
+    (True, 64, 4, 5, None),
+    (True, 64, 4, 7, None),
+    (True, 128, 8, 5, None),
 ]
+
+
+def set_fp8_launch(widen: bool, block_n: int, warps: int, stages: int, cap: int | None) -> None:
+    ad.FP8_PTX_WIDEN, ad.FP8_BLOCK_N, ad.NUM_WARPS = widen, block_n, warps
+    if widen:
+        ad.FP8_WIDENED_STAGES = stages
+    else:
+        ad.NUM_STAGES, ad.FP8_MAX_REGISTERS = stages, cap
 
 
 def widen_study(batches=BATCHES) -> None:
     """The fp8 launch with V widened where it is loaded (common.widen_e4m3_rows) against without,
     and widened launches with other constants, graph-timed at 16-256 running; each output
     against the first launch's (the widening is exact, so they should agree to rounding)."""
-    saved = (ad.FP8_PTX_WIDEN, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS)
+    saved = (
+        ad.FP8_PTX_WIDEN,
+        ad.FP8_BLOCK_N,
+        ad.NUM_WARPS,
+        ad.NUM_STAGES,
+        ad.FP8_MAX_REGISTERS,
+        ad.FP8_WIDENED_STAGES,
+    )
     for batch_size in batches:
         q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
         k_pool, v_pool, scales = pools["fp8"]
         cells, first = [], None
         for config in WIDEN_LAUNCHES:
-            ad.FP8_PTX_WIDEN, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS = config
+            set_fp8_launch(*config)
             try:
                 t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
                 out = ad.decode_attention(q, k_pool, v_pool, *common, **scales).float()
@@ -335,7 +351,14 @@ def widen_study(batches=BATCHES) -> None:
             first = out if first is None else first
             diff = (out - first).abs().max().item()
             cells.append(f"{config}: {t:6.1f} us {values / t / 1e6:4.2f} TB/s  max |diff| {diff:.1e}")
-        ad.FP8_PTX_WIDEN, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS = saved
+        (
+            ad.FP8_PTX_WIDEN,
+            ad.FP8_BLOCK_N,
+            ad.NUM_WARPS,
+            ad.NUM_STAGES,
+            ad.FP8_MAX_REGISTERS,
+            ad.FP8_WIDENED_STAGES,
+        ) = saved
         print(f"B={batch_size:3d} fp8\n    " + "\n    ".join(cells), flush=True)
         del pools
         torch.cuda.empty_cache()

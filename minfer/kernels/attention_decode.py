@@ -41,18 +41,24 @@ BLOCK_N = 64  # keys per inner step
 FP8_BLOCK_N = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
-# An fp8 pool's kernel takes 200 registers uncapped (around the e4m3 -> fp16 widening): two
-# programs per SM, too few loads in flight (ncu, B=256: 2.40 TB/s). Capped at 168 three fit, no
-# spills: 218 -> 185 us at B=256 (128 spills: 209 us). scripts/gpu_decode_layout.py --registers.
-FP8_MAX_REGISTERS = 168
 # Not kept: a loop that issues the next key block's loads before this block's products (one more
 # block of K/V held as stored). Graph-timed on an H200 (gpu_decode_layout.py, Qwen3-0.6B heads,
 # twenty-fourth session) it was slower at every batch and launch tried: bf16 B=256 255 -> 283 us
 # at best, fp8 B=256 185 -> 343 us at best (the held fp8 block spills at the register cap).
-# An fp8 pool's V is widened to fp16 where it is loaded, in PTX (common.widen_e4m3_rows): the
-# launch compiles to 1,336 SASS instructions instead of 1,768 (sm_90, Triton 3.6). A switch for
-# A/B runs (scripts/gpu_decode_layout.py --widen).
+#
+# An fp8 pool's V is widened to fp16 where it is loaded, in PTX (common.widen_e4m3_rows, compute
+# capability 8.9 on): the launch compiles to 1,432 SASS instructions instead of 1,912 and 142
+# registers instead of 200, which lets it take five stages, two shared-memory buffers of K/V, so
+# a program's next block is in flight while it computes this one (two programs an SM, 107 KB of
+# shared memory each). H100, graph-timed, Qwen3-0.6B heads (gpu_decode_layout.py --widen): B=256
+# 207.9 -> 200.8 us, B=128 114.2 -> 110.1, B=64 70.1 -> 62.6, B=32 46.2 -> 40.2.
+# FP8_PTX_WIDEN is a switch for A/B runs.
 FP8_PTX_WIDEN = True
+FP8_WIDENED_STAGES = 5
+# Without the widening the kernel takes 200 registers uncapped: two programs per SM with one
+# buffer, too few loads in flight (ncu, B=256: 2.40 TB/s). Capped at 168 three fit, no spills:
+# 218 -> 185 us at B=256 (128 spills: 209 us). scripts/gpu_decode_layout.py --registers.
+FP8_MAX_REGISTERS = 168
 CACHE_LINE = 128  # bytes: the granule of the first key block's L2 prefetch
 
 
@@ -119,7 +125,10 @@ def decode_attention(
     if batch == 0:
         return out
     prologue, prologue_strides = decode_prologue_args(new_kv, q, seq_lens)
-    register_cap = {"maxnreg": FP8_MAX_REGISTERS} if k_scale is not None and FP8_MAX_REGISTERS else {}
+    widen = k_scale is not None and FP8_PTX_WIDEN and ptx_widens_e4m3(q.device)
+    launch = {"num_warps": NUM_WARPS, "num_stages": FP8_WIDENED_STAGES if widen else NUM_STAGES}
+    if k_scale is not None and not widen and FP8_MAX_REGISTERS:
+        launch["maxnreg"] = FP8_MAX_REGISTERS
     decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q,
         k_pool,
@@ -154,14 +163,12 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
         WINDOW=window or 0,
         PREFETCH=batch <= CHAIN_ROWS,
         LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_pool.element_size(), CACHE_LINE)),
         LINE_ELEMENTS=CACHE_LINE // k_pool.element_size(),
-        V_PTX_WIDEN=k_scale is not None and FP8_PTX_WIDEN and ptx_widens_e4m3(q.device),
-        **register_cap,
+        V_PTX_WIDEN=widen,
+        **launch,
         **pdl_args(q.device, batch),
     )
     if num_splits > 1:
