@@ -103,7 +103,7 @@ def compile_for_h200(kernel, pool: str, constexprs: dict, num_warps: int, num_st
 # register shuffling (LDS, LDSM, STS, IMAD, PRMT, SEL) that operand layout changes cost.
 OP_CLASSES = (
     "HGMMA", "HMMA", "FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "F2FP", "LDGSTS", "LDG", "STG", "BAR",
-    "LDS", "LDSM", "STS", "IMAD", "PRMT", "SEL",
+    "LDS", "LDSM", "STS", "IMAD", "PRMT", "SEL", "CCTL",
 )  # fmt: skip
 
 
