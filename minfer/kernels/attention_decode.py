@@ -27,7 +27,7 @@ import torch
 import triton
 
 from minfer.kernels.attention_merge import merge_splits
-from minfer.kernels.common import CHAIN_ROWS, num_sms, pdl_args, ptx_widens_e4m3
+from minfer.kernels.common import CACHE_LINE, chained_rows, num_sms, pdl_args, ptx_widens_e4m3
 from minfer.kernels.decode_split_kernel import decode_split_kernel
 from minfer.kernels.new_kv import NewKV, decode_prologue_args
 
@@ -59,7 +59,6 @@ FP8_WIDENED_STAGES = 5
 # buffer, too few loads in flight (ncu, B=256: 2.40 TB/s). Capped at 168 three fit, no spills:
 # 218 -> 185 us at B=256 (128 spills: 209 us). scripts/gpu_decode_layout.py --registers.
 FP8_MAX_REGISTERS = 168
-CACHE_LINE = 128  # bytes: the granule of the first key block's L2 prefetch
 
 
 def choose_num_splits(
@@ -164,7 +163,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         WINDOW=window or 0,
-        PREFETCH=batch <= CHAIN_ROWS,
+        PREFETCH=chained_rows(batch),
         LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_pool.element_size(), CACHE_LINE)),
         LINE_ELEMENTS=CACHE_LINE // k_pool.element_size(),
         V_PTX_WIDEN=widen,

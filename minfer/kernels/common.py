@@ -27,12 +27,37 @@ _PDL_MODES = ("0", "release", "1", "late", "chain")
 # first let launches run several deep: H200, batch-1 decode graph 0.715 -> 0.681 ms for
 # Qwen3-0.6B, 3.956 -> 3.917 ms for Llama-3.1-8B (docs/BENCHMARKS.md, twenty-fourth session).
 EARLY_RELEASE = tl.constexpr(os.environ.get("MINFER_PDL", "1") != "late")
+CACHE_LINE = 128  # bytes: the granule of prefetch_l2
 # Chained (launched early, waiting at the first statement) only up to this many rows: there the
 # gemv between the kernels reads its weights early too and a step is mostly kernel boundaries
-# (H200, batch-1 graph 0.96 -> 0.83 ms for Qwen3-0.6B). From 4 rows up the products are the
-# split-K GEMM or cuBLAS, which start only when the kernel before them ends, and chaining the
-# rest cost ~1% (offline Qwen3-0.6B 25,177 -> 24,989 tok/s; docs/BENCHMARKS.md, eighteenth session).
+# (H200, batch-1 graph 0.96 -> 0.83 ms for Qwen3-0.6B). From 3 rows up the products are the
+# split-K GEMM (up to 64 rows) or cuBLAS. Chaining every launch cost ~1% (offline Qwen3-0.6B
+# 25,177 -> 24,989 tok/s; docs/BENCHMARKS.md, eighteenth session). Since the split-K GEMM takes
+# part in a chain (its weight slice asked of L2 before its wait), chaining up to 64 rows was
+# measured (H100, twenty-sixth session): the 32-63 band 4.19 -> 4.10 ms a step, but 2-31 rows
+# 5-15% slower, offline neutral (20,974 / 21,001 -> 20,990 / 20,991 tok/s).
 CHAIN_ROWS = 2
+
+
+def parse_chain_bands(text: str) -> tuple[tuple[int, int], ...]:
+    """MINFER_CHAIN_BANDS: comma-separated inclusive row ranges ("1-2,32-64") whose launches are
+    chained, for A/B runs of where chaining pays (docs/BENCHMARKS.md, twenty-sixth session)."""
+    bands = []
+    for band in text.split(","):
+        low, sep, high = band.strip().partition("-")
+        if not (sep and low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+            raise ValueError(f"MINFER_CHAIN_BANDS={text!r}: expected ranges of rows like 1-2,32-64")
+        bands.append((int(low), int(high)))
+    return tuple(bands)
+
+
+# Read at import, like MINFER_PDL; the default chains 1..CHAIN_ROWS rows.
+CHAIN_BANDS = parse_chain_bands(os.environ.get("MINFER_CHAIN_BANDS", f"1-{CHAIN_ROWS}"))
+
+
+def chained_rows(rows: int) -> bool:
+    """Whether launches over `rows` rows are chained (see CHAIN_ROWS and MINFER_CHAIN_BANDS)."""
+    return any(low <= rows <= high for low, high in CHAIN_BANDS)
 
 
 def _pdl_mode() -> str:
@@ -57,7 +82,7 @@ def pdl_args(device: torch.device, rows: int) -> types.MappingProxyType:
     starts with `pdl_start`: PDL_RELEASE (let the next kernel start early) wherever PDL is
     enabled; where the launch is chained (see CHAIN_ROWS) also PDL_WAIT and the launch
     attribute, so this kernel itself starts while the one before it finishes."""
-    return _pdl_args(device, rows <= CHAIN_ROWS)
+    return _pdl_args(device, chained_rows(rows))
 
 
 @functools.cache

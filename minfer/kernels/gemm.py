@@ -17,6 +17,9 @@ output and resets the counter to zero for the next launch. The counters live in 
 buffer per device; GEMMs on one stream run one after another, so they never share a counter
 while it is non-zero.
 
+Launched early in a chain of kernels (common.pdl_args, for the rows MINFER_CHAIN_BANDS names),
+each program asks L2 for its weight slice before it waits for the kernel before it.
+
 Rows of x may be strided (views of a larger activation); the last dim must be contiguous.
 """
 
@@ -26,7 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import arrival_counters, dot, matmul_operands, num_sms
+from minfer.kernels.common import (
+    CACHE_LINE,
+    arrival_counters,
+    dot,
+    matmul_operands,
+    num_sms,
+    pdl_args,
+    pdl_start,
+    prefetch_l2,
+)
 
 # Where this kernel was measured to match or beat cuBLAS on an H200 (scripts/gpu_check.py
 # --gemm): up to 64 rows, weights up to Qwen3-0.6B's largest (gate_up, 6144 x 1024), and
@@ -65,6 +77,10 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL_RELEASE: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
+    SLICE_LINES: tl.constexpr,
+    LINE_ELEMENTS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -76,6 +92,11 @@ def _gemm_kernel(
     n_mask = offs_n < N
 
     k_start = split * k_per_split
+    if PDL_WAIT:  # launched early: ask L2 for this program's weight slice while the kernel before runs
+        offs_line = k_start + tl.arange(0, SLICE_LINES) * LINE_ELEMENTS
+        lines = n_mask[:, None] & (offs_line < tl.minimum(k_start + k_per_split, K))[None, :]
+        prefetch_l2(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_line[None, :], lines)
+    pdl_start(PDL_RELEASE, PDL_WAIT)  # x and the partials are the previous kernels' from here
     x_tile = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     w_tile = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None]  # [K, N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -180,7 +201,10 @@ def linear(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        SLICE_LINES=triton.next_power_of_2(triton.cdiv(k_per_split * weight.element_size(), CACHE_LINE)),
+        LINE_ELEMENTS=CACHE_LINE // weight.element_size(),
         num_warps=warps,
         num_stages=stages,
+        **pdl_args(x.device, m),
     )
     return out.reshape(*x.shape[:-1], n)

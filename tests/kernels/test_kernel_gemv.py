@@ -133,6 +133,15 @@ def test_pdl_modes_chain_the_launches_they_name(monkeypatch, mode, chained_rows)
         common.reset_pdl_choice()
 
 
+def test_chain_bands_name_the_rows_they_chain(monkeypatch):
+    assert common.parse_chain_bands("1-2") == ((1, 2),)
+    monkeypatch.setattr(common, "CHAIN_BANDS", common.parse_chain_bands("1-2, 32-64"))
+    assert [rows for rows in (1, 2, 3, 31, 32, 64, 65) if common.chained_rows(rows)] == [1, 2, 32, 64]
+    for bad in ("", "2", "3-1", "0-2", "1-x", "1-2;4-5"):
+        with pytest.raises(ValueError, match="MINFER_CHAIN_BANDS"):
+            common.parse_chain_bands(bad)
+
+
 def test_an_unknown_pdl_mode_is_refused(monkeypatch):
     monkeypatch.setenv("MINFER_PDL", "yes")
     common.reset_pdl_choice()
