@@ -51,8 +51,9 @@ NUM_STAGES = 3
 # registers instead of 200, which lets it take five stages, two shared-memory buffers of K/V, so
 # a program's next block is in flight while it computes this one (two programs an SM, 107 KB of
 # shared memory each). H100, graph-timed, Qwen3-0.6B heads (gpu_decode_layout.py --widen): B=256
-# 207.9 -> 200.8 us, B=128 114.2 -> 110.1, B=64 70.1 -> 62.6, B=32 46.2 -> 40.2.
-# FP8_PTX_WIDEN is a switch for A/B runs.
+# 201.9 -> 195.6 us, B=128 110.4 -> 107.5, B=64 69.3 -> 62.1, B=32 45.5 -> 39.1, B=16 22.0 ->
+# 23.1 (three stages would give 20.4 there; under 32 running is ~5% of decode, so one launch).
+# Offline fp8 +1.0% (docs/BENCHMARKS.md, twenty-sixth session). FP8_PTX_WIDEN: for A/B runs.
 FP8_PTX_WIDEN = True
 FP8_WIDENED_STAGES = 5
 # Without the widening the kernel takes 200 registers uncapped: two programs per SM with one
