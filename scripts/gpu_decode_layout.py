@@ -316,6 +316,17 @@ WIDEN_LAUNCHES = [
 ]
 
 
+# The attention_decode constants set_fp8_launch changes, which widen_study puts back.
+FP8_LAUNCH_CONSTANTS = (
+    "FP8_PTX_WIDEN",
+    "FP8_BLOCK_N",
+    "NUM_WARPS",
+    "NUM_STAGES",
+    "FP8_MAX_REGISTERS",
+    "FP8_WIDENED_STAGES",
+)
+
+
 def set_fp8_launch(widen: bool, block_n: int, warps: int, stages: int, cap: int | None) -> None:
     ad.FP8_PTX_WIDEN, ad.FP8_BLOCK_N, ad.NUM_WARPS = widen, block_n, warps
     if widen:
@@ -328,14 +339,7 @@ def widen_study(batches=BATCHES) -> None:
     """The fp8 launch with V widened where it is loaded (common.widen_e4m3_rows) against without,
     and widened launches with other constants, graph-timed at 16-256 running; each output
     against the first launch's (the widening is exact, so they should agree to rounding)."""
-    saved = (
-        ad.FP8_PTX_WIDEN,
-        ad.FP8_BLOCK_N,
-        ad.NUM_WARPS,
-        ad.NUM_STAGES,
-        ad.FP8_MAX_REGISTERS,
-        ad.FP8_WIDENED_STAGES,
-    )
+    saved = {name: getattr(ad, name) for name in FP8_LAUNCH_CONSTANTS}
     for batch_size in batches:
         q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
         k_pool, v_pool, scales = pools["fp8"]
@@ -351,14 +355,8 @@ def widen_study(batches=BATCHES) -> None:
             first = out if first is None else first
             diff = (out - first).abs().max().item()
             cells.append(f"{config}: {t:6.1f} us {values / t / 1e6:4.2f} TB/s  max |diff| {diff:.1e}")
-        (
-            ad.FP8_PTX_WIDEN,
-            ad.FP8_BLOCK_N,
-            ad.NUM_WARPS,
-            ad.NUM_STAGES,
-            ad.FP8_MAX_REGISTERS,
-            ad.FP8_WIDENED_STAGES,
-        ) = saved
+        for name, value in saved.items():
+            setattr(ad, name, value)
         print(f"B={batch_size:3d} fp8\n    " + "\n    ".join(cells), flush=True)
         del pools
         torch.cuda.empty_cache()
