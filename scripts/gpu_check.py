@@ -38,7 +38,7 @@ if importlib.util.find_spec("msgspec") is None:
 
 from kernel_cases import make_paged_batch
 
-from minfer.kernels import attention_decode, attention_extend, gemm
+from minfer.kernels import attention_decode, attention_extend, attention_extend_wgmma, gemm
 from minfer.kernels.activation import silu_and_mul, silu_and_mul_reference
 from minfer.kernels.attention_decode import decode_attention
 from minfer.kernels.attention_extend import extend_attention
@@ -606,6 +606,8 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192, quick: bool = 
     ]
     reference = extend_reference(chunks[0][1])
     check("extend long, first chunk", extend_attention(*chunks[0][1]), reference, atol=2e-2, rtol=2e-2)
+    attention_extend.WGMMA_LONG = False  # the Triton kernel's rows, then the Gluon kernel's
+    check("extend long, first chunk, Triton", extend_attention(*chunks[0][1]), reference, 2e-2, 2e-2)
     del reference
     expected = [extend_attention(*args) for _, args, _ in chunks]
     total_flop = sum(flop for _, _, flop in chunks)
@@ -649,6 +651,28 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192, quick: bool = 
         except Exception as e:  # e.g. out of shared memory
             print(f"  {config}: {type(e).__name__}", flush=True)
     force_extend_config(None)
+    attention_extend.WGMMA_LONG = True
+    if attention_extend_wgmma.applies(chunks[0][1][0], chunks[0][1][1], None):
+        wgmma_default = attention_extend_wgmma.CONFIG
+        others = [(128, 64, 8, 3), (128, 64, 8, 6), (128, 128, 8, 3), (128, 128, 8, 2)]
+        for config in [wgmma_default] + ([] if quick else others):
+            attention_extend_wgmma.CONFIG = config
+            try:
+                times = []
+                for (prefix, args, _), want in zip(chunks, expected):
+                    err = (extend_attention(*args).float() - want.float()).abs().max().item()
+                    if err > 2e-2:
+                        failures.append(f"extend long wgmma {config} prefix {prefix}: max abs err {err:.3g}")
+                    times.append(bench_us(lambda: extend_attention(*args)))
+                print(
+                    f"  wgmma {config}: "
+                    + "  ".join(f"{t:8.1f}" for t in times)
+                    + f"   {total_flop / sum(times) / 1e6:6.1f} TFLOP/s",
+                    flush=True,
+                )
+            except Exception as e:  # e.g. out of shared memory
+                print(f"  wgmma {config}: {type(e).__name__}: {e}", flush=True)
+        attention_extend_wgmma.CONFIG = wgmma_default
     if quick:
         return
 

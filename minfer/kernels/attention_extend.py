@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minfer.kernels import attention_extend_wgmma
 from minfer.kernels.common import attend_blocks, fp8_pool_operand
 
 LOG2E = 1.4426950408889634
@@ -52,6 +53,9 @@ LONG_EXTEND = 1536  # tokens: a launch whose longest extend reaches this takes L
 # 418 TFLOP/s in the long configuration, 347 vs 350 in the short one: a wash there).
 # `extend_tiles` orders a tile map the same way; this flag is for the grid without one.
 HEAVY_FIRST = True
+# Long launches on Hopper over a bf16/fp16 pool go to the Gluon kernel (attention_extend_wgmma),
+# which overlaps each key block's softmax with the tensor cores' work; False keeps them here.
+WGMMA_LONG = True
 
 
 def launch_config(
@@ -276,6 +280,18 @@ def extend_attention(
         grid = (tiles.shape[1], num_heads)
     else:
         grid = (triton.cdiv(max_extend_len, block_m), batch, num_heads)
+    if (
+        WGMMA_LONG
+        and max_extend_len >= LONG_EXTEND
+        and k_scale is None
+        and attention_extend_wgmma.applies(q, k_pool, window)
+    ):
+        assert attention_extend_wgmma.CONFIG[0] == block_m  # the tile map was made for block_m
+        attention_extend_wgmma.extend_attention_wgmma(
+            q, k_pool, v_pool, out, page_table, table_idx, prefix_lens, seq_lens, cu_extend_lens,
+            max_extend_len, scale, tiles, HEAVY_FIRST,
+        )  # fmt: skip
+        return out
     register_cap = {"maxnreg": cap} if cap else {}
     _extend_kernel[grid](
         q,

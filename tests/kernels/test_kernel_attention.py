@@ -11,7 +11,7 @@ from kernel_cases import make_paged_batch, tolerance
 from minfer.attention.base import ForwardContext, build_metadata
 from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.attention.triton_backend import TritonAttentionBackend
-from minfer.kernels import attention_extend
+from minfer.kernels import attention_extend, attention_extend_wgmma
 from minfer.kernels.attention_decode import choose_num_splits, decode_attention
 from minfer.kernels.attention_extend import extend_attention, extend_tiles
 from minfer.kernels.attention_reference import decode_attention_reference, extend_attention_reference
@@ -244,3 +244,21 @@ def test_extend_real_shapes_gpu(num_heads, num_kv_heads):
     torch.testing.assert_close(
         _run_extend(batch, q, 128**-0.5), _extend_reference(batch, q, 128**-0.5), atol=1e-2, rtol=1e-2
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tiled", [True, False])
+def test_extend_long_wgmma_gpu(dtype, tiled, monkeypatch):
+    """Long launches on Hopper take the Gluon kernel (attention_extend_wgmma): it matches the
+    reference and the Triton kernel, over prefixes that do not start on a key block, a one-token
+    extend beside long ones, and an odd and an even number of key blocks per query block."""
+    device = torch.device("cuda")
+    if not attention_extend_wgmma.supported(device):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    batch, q = _extend_case(4, 128, 16, dtype, device, [0, 37, 1000, 5], [1600, 1, 1700, 130])
+    scale = 128**-0.5
+    out = _run_extend(batch, q, scale, tiled=tiled)
+    torch.testing.assert_close(out, _extend_reference(batch, q, scale), atol=1e-2, rtol=1e-2)
+    monkeypatch.setattr(attention_extend, "WGMMA_LONG", False)
+    torch.testing.assert_close(out, _run_extend(batch, q, scale, tiled=tiled), atol=1e-2, rtol=1e-2)
