@@ -36,11 +36,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 LOG2E = 1.4426950408889634
-# (BLOCK_M, BLOCK_N, num_warps, STAGES): 128 query rows in two warpgroups of 64, 64-key blocks,
+# (BLOCK_M, BLOCK_N, num_warps, STAGES, UNROLL: key blocks per loop trip, see the loop): 128 query rows in two warpgroups of 64, 64-key blocks,
 # 4 slots each of K and V (16 KB each) besides Q (32 KB): 160 KB, one program per SM. 128-key
 # blocks need more than the 255 registers a thread has (they spill; scripts/kernel_registers.py).
 # BLOCK_M must equal attention_extend.LONG_CONFIG's: the engine's tile maps are made for that.
-CONFIG = (128, 64, 8, 4)
+CONFIG = (128, 64, 8, 4, 2)
 
 
 @functools.cache
@@ -146,6 +146,7 @@ def _extend_wgmma_kernel(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
+    UNROLL: gl.constexpr,
     HEAVY_FIRST: gl.constexpr,
     TILED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -246,24 +247,33 @@ def _extend_wgmma_kernel(
         # same registers, ptxas waits for that product before the softmax, which undoes the
         # overlap (seen in the sm_90 code).
         p_a = p_op
-        for pair in range(0, (num_blocks - 1) // 2):
-            j = 1 + 2 * pair
-            p_b, acc, m_i, l_i, next_slots, next_valid, prev_slots, prev_valid = _attend_block(
-                j, q_smem, k_buf, v_buf, p_a, acc, m_i, l_i, zeros, next_slots, next_valid, prev_slots,
-                prev_valid, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end, q_pos,
-                key_offs, offs_n, offs_d, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND, O_MMA,
-            )  # fmt: skip
-            p_a, acc, m_i, l_i, next_slots, next_valid, prev_slots, prev_valid = _attend_block(
-                j + 1, q_smem, k_buf, v_buf, p_b, acc, m_i, l_i, zeros, next_slots, next_valid, prev_slots,
-                prev_valid, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end, q_pos,
-                key_offs, offs_n, offs_d, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND, O_MMA,
-            )  # fmt: skip
-        if (num_blocks - 1) % 2 == 1:
-            p_a, acc, m_i, l_i, next_slots, next_valid, prev_slots, prev_valid = _attend_block(
-                num_blocks - 1, q_smem, k_buf, v_buf, p_a, acc, m_i, l_i, zeros, next_slots, next_valid,
-                prev_slots, prev_valid, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end,
-                q_pos, key_offs, offs_n, offs_d, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND, O_MMA,
-            )  # fmt: skip
+        if UNROLL == 2:
+            for pair in range(0, (num_blocks - 1) // 2):
+                j = 1 + 2 * pair
+                p_b, acc, m_i, l_i, next_slots, next_valid, prev_slots, prev_valid = _attend_block(
+                    j, q_smem, k_buf, v_buf, p_a, acc, m_i, l_i, zeros, next_slots, next_valid, prev_slots,
+                    prev_valid, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end, q_pos,
+                    key_offs, offs_n, offs_d, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND, O_MMA,
+                )  # fmt: skip
+                p_a, acc, m_i, l_i, next_slots, next_valid, prev_slots, prev_valid = _attend_block(
+                    j + 1, q_smem, k_buf, v_buf, p_b, acc, m_i, l_i, zeros, next_slots, next_valid, prev_slots,
+                    prev_valid, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end, q_pos,
+                    key_offs, offs_n, offs_d, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND, O_MMA,
+                )  # fmt: skip
+            if (num_blocks - 1) % 2 == 1:
+                p_a, acc, m_i, l_i, next_slots, next_valid, prev_slots, prev_valid = _attend_block(
+                    num_blocks - 1, q_smem, k_buf, v_buf, p_a, acc, m_i, l_i, zeros, next_slots, next_valid,
+                    prev_slots, prev_valid, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end,
+                    q_pos, key_offs, offs_n, offs_d, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND, O_MMA,
+                )  # fmt: skip
+        else:
+            for j in range(1, num_blocks):
+                p_a, acc, m_i, l_i, next_slots, next_valid, prev_slots, prev_valid = _attend_block(
+                    j, q_smem, k_buf, v_buf, p_a, acc, m_i, l_i, zeros, next_slots, next_valid,
+                    prev_slots, prev_valid, page_row, k_head, v_head, stride_ks, stride_vs, end,
+                    unmasked_end, q_pos, key_offs, offs_n, offs_d, sm_scale_log2, STAGES, BLOCK_N,
+                    P_OPERAND, O_MMA,
+                )  # fmt: skip
         p_op = p_a
 
         # The last block's PV product (its V is in group num_blocks).
@@ -299,7 +309,7 @@ def extend_attention_wgmma(
     """attention_extend.extend_attention's long launch on this kernel (arguments as there;
     `applies` must hold). Writes `out`."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    block_m, block_n, num_warps, stages = CONFIG
+    block_m, block_n, num_warps, stages, unroll = CONFIG
     if tiles is not None:
         grid = (tiles.shape[1], num_heads)
     else:
@@ -331,6 +341,7 @@ def extend_attention_wgmma(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         STAGES=stages,
+        UNROLL=unroll,
         HEAVY_FIRST=heavy_first,
         TILED=tiles is not None,
         num_warps=num_warps,
