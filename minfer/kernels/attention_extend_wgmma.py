@@ -78,6 +78,18 @@ def _block_slots(page_row, block, end, offs_n, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _online_softmax(s, m_i, l_i, sm_scale_log2):
+    """One block's step of the online softmax over raw scores s (base 2, scaled here): the new
+    running max, the factor for what was accumulated before, the block's probabilities and the
+    new running sum."""
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_scaled = m_new * sm_scale_log2
+    alpha = gl.exp2(m_i * sm_scale_log2 - m_scaled)
+    p = gl.exp2(s * sm_scale_log2 - m_scaled[:, None])
+    return m_new, alpha, p, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
 def _attend_block(
     j, q_smem, k_buf, v_buf, p_prev, acc, m_i, l_i, zeros, next_slots, next_valid, prev_slots,
     prev_valid, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end, q_pos, key_offs,
@@ -103,15 +115,14 @@ def _attend_block(
     )
     acc_token = warpgroup_mma(p_prev, v_buf.index((j - 1) % STAGES), acc, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token,))
-    # The causal mask without a branch (ptxas starts a block at the wait after a branch, which
-    # would wait for PV there): the last key offset each row sees, past the block when unmasked.
-    limit = q_pos - j * BLOCK_N
-    s = gl.where(key_offs[None, :] <= limit[:, None], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_scaled = m_new * sm_scale_log2
-    alpha = gl.exp2(m_i * sm_scale_log2 - m_scaled)
-    p = gl.exp2(s * sm_scale_log2 - m_scaled[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
+    # The softmax sits inside the branches: ptxas puts a wgmma wait at the top of its basic
+    # block, so the wait for PV below (in the join block) then comes after the exps it should
+    # overlap, rather than before them.
+    if j * BLOCK_N >= unmasked_end:  # a block that reaches the rows' own positions
+        s = gl.where(key_offs[None, :] <= (q_pos - j * BLOCK_N)[:, None], s, float("-inf"))
+        m_new, alpha, p, l_i = _online_softmax(s, m_i, l_i, sm_scale_log2)
+    else:
+        m_new, alpha, p, l_i = _online_softmax(s, m_i, l_i, sm_scale_log2)
     acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc_token, p_prev))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
     p_next = gl.convert_layout(p.to(p_prev.dtype), P_OPERAND)
@@ -235,10 +246,12 @@ def _extend_wgmma_kernel(
         s = warpgroup_mma(q_smem, k_buf.index(0).permute((1, 0)), zeros, use_acc=False)
         if unmasked_end == 0:
             s = gl.where(key_offs[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_i = gl.max(s, 1)
-        m_scaled = m_i * sm_scale_log2
-        p = gl.exp2(s * sm_scale_log2 - m_scaled[:, None])
-        l_i = gl.sum(p, 1)
+        m_i, _, p, l_i = _online_softmax(
+            s,
+            gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_MMA)),
+            gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, S_MMA)),
+            sm_scale_log2,
+        )
         p_op = gl.convert_layout(p.to(dtype), P_OPERAND)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, O_MMA)
 
