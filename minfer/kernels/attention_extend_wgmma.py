@@ -36,11 +36,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 LOG2E = 1.4426950408889634
-# (BLOCK_M, BLOCK_N, num_warps, STAGES, UNROLL: key blocks per loop trip, see the loop): 128 query rows in two warpgroups of 64, 64-key blocks,
+# (BLOCK_M, BLOCK_N, num_warps, STAGES): 128 query rows in two warpgroups of 64, 64-key blocks,
 # 4 slots each of K and V (16 KB each) besides Q (32 KB): 160 KB, one program per SM. 128-key
 # blocks need more than the 255 registers a thread has (they spill; scripts/kernel_registers.py).
 # BLOCK_M must equal attention_extend.LONG_CONFIG's: the engine's tile maps are made for that.
-CONFIG = (128, 64, 8, 4, 2)
+CONFIG = (128, 64, 8, 4)
 
 
 @functools.cache
@@ -91,42 +91,48 @@ def _online_softmax(s, m_i, l_i, sm_scale_log2):
 
 @gluon.jit
 def _attend_block(
-    j, q_smem, k_buf, v_buf, p_prev, acc, m_i, l_i, zeros, next_slots, next_valid, prev_slots,
-    prev_valid, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end, q_pos, key_offs,
-    offs_n, offs_d, sm_scale_log2, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-    P_OPERAND: gl.constexpr, O_MMA: gl.constexpr,
+    j, q_smem, k_buf, v_buf, s, p_prev, acc, m_i, l_i, zeros, slots_k, valid_k, slots_next,
+    valid_next, slots_v, valid_v, page_row, k_head, v_head, stride_ks, stride_vs, end,
+    unmasked_end, q_pos, key_offs, offs_n, offs_d, sm_scale_log2, STAGES: gl.constexpr,
+    BLOCK_N: gl.constexpr, P_OPERAND: gl.constexpr, O_MMA: gl.constexpr, FIRST: gl.constexpr,
 ):  # fmt: skip
-    """Iteration j >= 1: refill the slots iteration j - 1 read, issue block j's scores and block
-    j - 1's PV product (probabilities p_prev), and run block j's softmax while PV is in flight.
-    Returns block j's probabilities (the next PV operand) and the updated state."""
-    async_copy.wait_group(STAGES - 2)
+    """Iteration j, given block j's scores s: refill the slots iteration j - 1 read (copy group
+    j + STAGES: K_{j+STAGES} and V_{j+STAGES-2}, whose pool slots are slots_k and slots_v), issue
+    block j + 1's scores and block j - 1's PV product (probabilities p_prev; none when FIRST),
+    and run block j's softmax while both are in flight. Returns block j + 1's scores, block j's
+    probabilities and the updated state; slots_next (block j + STAGES - 1's) moves up a place."""
+    async_copy.wait_group(STAGES - 2)  # group j + 1: K_{j+1} and V_{j-1}
     gl.thread_barrier()  # every warp is past iteration j - 1: its slots may be refilled
     fence_async_shared()
-    # group j + STAGES - 1: K into the slot K_{j-1} left, V_{j+STAGES-2} into V_{j-2}'s
-    _gather_rows(k_buf.index((j + STAGES - 1) % STAGES), k_head, next_slots, stride_ks, next_valid, offs_d)
-    _gather_rows(v_buf.index((j + STAGES - 2) % STAGES), v_head, prev_slots, stride_vs, prev_valid, offs_d)
+    _gather_rows(k_buf.index(j % STAGES), k_head, slots_k, stride_ks, valid_k, offs_d)
+    _gather_rows(v_buf.index((j + STAGES - 2) % STAGES), v_head, slots_v, stride_vs, valid_v, offs_d)
     async_copy.commit_group()
-    prev_slots = next_slots
-    prev_valid = next_valid
-    next_slots, next_valid = _block_slots(page_row, j + STAGES, end, offs_n, BLOCK_N)
+    slots_v, valid_v = slots_next, valid_next
+    slots_next, valid_next = slots_k, valid_k
+    slots_k, valid_k = _block_slots(page_row, j + STAGES + 1, end, offs_n, BLOCK_N)
 
     s_token = warpgroup_mma(
-        q_smem, k_buf.index(j % STAGES).permute((1, 0)), zeros, use_acc=False, is_async=True
+        q_smem, k_buf.index((j + 1) % STAGES).permute((1, 0)), zeros, use_acc=False, is_async=True
     )
-    acc_token = warpgroup_mma(p_prev, v_buf.index((j - 1) % STAGES), acc, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token,))
+    if not FIRST:
+        acc_token = warpgroup_mma(p_prev, v_buf.index((j - 1) % STAGES), acc, is_async=True)
     # The softmax sits inside the branches: ptxas puts a wgmma wait at the top of its basic
-    # block, so the wait for PV below (in the join block) then comes after the exps it should
+    # block, so the wait below (in the join block) then comes after the exps it should
     # overlap, rather than before them.
     if j * BLOCK_N >= unmasked_end:  # a block that reaches the rows' own positions
         s = gl.where(key_offs[None, :] <= (q_pos - j * BLOCK_N)[:, None], s, float("-inf"))
         m_new, alpha, p, l_i = _online_softmax(s, m_i, l_i, sm_scale_log2)
     else:
         m_new, alpha, p, l_i = _online_softmax(s, m_i, l_i, sm_scale_log2)
-    acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc_token, p_prev))
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
+    if FIRST:
+        s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_token,))
+    else:
+        s_next, acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s_token, acc_token, p_prev))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
     p_next = gl.convert_layout(p.to(p_prev.dtype), P_OPERAND)
-    return p_next, acc, m_new, l_i, next_slots, next_valid, prev_slots, prev_valid
+    return (
+        s_next, p_next, acc, m_new, l_i, slots_k, valid_k, slots_next, valid_next, slots_v, valid_v
+    )  # fmt: skip
 
 
 @gluon.jit
@@ -157,7 +163,6 @@ def _extend_wgmma_kernel(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
-    UNROLL: gl.constexpr,
     HEAVY_FIRST: gl.constexpr,
     TILED: gl.constexpr,
     num_warps: gl.constexpr,
@@ -218,78 +223,49 @@ def _extend_wgmma_kernel(
         q_pos = prefix + block_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_MMA))
         key_offs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_MMA))
 
-        # Groups 0 .. STAGES - 2 before the loop (group g: K_g, and V_{g-1} from g = 1 on).
-        prev_slots, prev_valid = _block_slots(page_row, 0, end, offs_n, BLOCK_N)
-        _gather_rows(k_buf.index(0), k_head, prev_slots, stride_ks, prev_valid, offs_d)
-        async_copy.commit_group()
-        for g in gl.static_range(1, STAGES - 1):
-            slots, valid = _block_slots(page_row, g, end, offs_n, BLOCK_N)
-            _gather_rows(k_buf.index(g), k_head, slots, stride_ks, valid, offs_d)
-            _gather_rows(v_buf.index(g - 1), v_head, prev_slots, stride_vs, prev_valid, offs_d)
+        # Copy groups 0 .. STAGES - 1 before the loop; group g holds K_g, and V_{g-2} from g = 2
+        # on (V is read two iterations after K: block j's scores are made in iteration j - 1,
+        # its PV product in iteration j + 1).
+        slots_v, valid_v = _block_slots(page_row, 0, end, offs_n, BLOCK_N)  # block g - 2's
+        slots_next, valid_next = slots_v, valid_v  # block g - 1's
+        for g in gl.static_range(0, STAGES):
+            slots_k, valid_k = _block_slots(page_row, g, end, offs_n, BLOCK_N)
+            _gather_rows(k_buf.index(g), k_head, slots_k, stride_ks, valid_k, offs_d)
+            if g >= 2:
+                _gather_rows(v_buf.index(g - 2), v_head, slots_v, stride_vs, valid_v, offs_d)
             async_copy.commit_group()
-            prev_slots = slots
-            prev_valid = valid
-        # The slots of group STAGES - 1's K block, read one iteration ahead of their copies.
-        next_slots, next_valid = _block_slots(page_row, STAGES - 1, end, offs_n, BLOCK_N)
+            if g >= 1:
+                slots_v, valid_v = slots_next, valid_next
+            slots_next, valid_next = slots_k, valid_k
+        # for group STAGES: K_{STAGES} (slots_k), V_{STAGES-2} (slots_v); block STAGES - 1 next
+        slots_k, valid_k = _block_slots(page_row, STAGES, end, offs_n, BLOCK_N)
 
         zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_MMA)
-        # Iteration 0: block 0's scores and softmax; its PV product is issued in iteration 1.
-        async_copy.wait_group(STAGES - 2)
+        async_copy.wait_group(STAGES - 1)  # group 0: K_0
         gl.thread_barrier()
         fence_async_shared()
-        _gather_rows(k_buf.index(STAGES - 1), k_head, next_slots, stride_ks, next_valid, offs_d)
-        _gather_rows(v_buf.index(STAGES - 2), v_head, prev_slots, stride_vs, prev_valid, offs_d)
-        async_copy.commit_group()
-        prev_slots = next_slots
-        prev_valid = next_valid
-        next_slots, next_valid = _block_slots(page_row, STAGES, end, offs_n, BLOCK_N)
         s = warpgroup_mma(q_smem, k_buf.index(0).permute((1, 0)), zeros, use_acc=False)
-        if unmasked_end == 0:
-            s = gl.where(key_offs[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_i, _, p, l_i = _online_softmax(
-            s,
-            gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_MMA)),
-            gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, S_MMA)),
-            sm_scale_log2,
-        )
-        p_op = gl.convert_layout(p.to(dtype), P_OPERAND)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_MMA))
+        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, S_MMA))
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, O_MMA)
+        p_op = gl.zeros([BLOCK_M, BLOCK_N], dtype, P_OPERAND)
+        s, p_op, acc, m_i, l_i, slots_k, valid_k, slots_next, valid_next, slots_v, valid_v = _attend_block(
+            0, q_smem, k_buf, v_buf, s, p_op, acc, m_i, l_i, zeros, slots_k, valid_k, slots_next,
+            valid_next, slots_v, valid_v, page_row, k_head, v_head, stride_ks, stride_vs, end,
+            unmasked_end, q_pos, key_offs, offs_n, offs_d, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND,
+            O_MMA, True,
+        )  # fmt: skip
+        for j in range(1, num_blocks):
+            s, p_op, acc, m_i, l_i, slots_k, valid_k, slots_next, valid_next, slots_v, valid_v = (
+                _attend_block(
+                    j, q_smem, k_buf, v_buf, s, p_op, acc, m_i, l_i, zeros, slots_k, valid_k,
+                    slots_next, valid_next, slots_v, valid_v, page_row, k_head, v_head, stride_ks,
+                    stride_vs, end, unmasked_end, q_pos, key_offs, offs_n, offs_d, sm_scale_log2,
+                    STAGES, BLOCK_N, P_OPERAND, O_MMA, False,
+                )
+            )  # fmt: skip
 
-        # Two blocks per trip, so that the probabilities being written (p_b, then p_a) never
-        # share registers with those the PV product in flight reads: with one p carried in the
-        # same registers, ptxas waits for that product before the softmax, which undoes the
-        # overlap (seen in the sm_90 code).
-        p_a = p_op
-        if UNROLL == 2:
-            for pair in range(0, (num_blocks - 1) // 2):
-                j = 1 + 2 * pair
-                p_b, acc, m_i, l_i, next_slots, next_valid, prev_slots, prev_valid = _attend_block(
-                    j, q_smem, k_buf, v_buf, p_a, acc, m_i, l_i, zeros, next_slots, next_valid, prev_slots,
-                    prev_valid, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end, q_pos,
-                    key_offs, offs_n, offs_d, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND, O_MMA,
-                )  # fmt: skip
-                p_a, acc, m_i, l_i, next_slots, next_valid, prev_slots, prev_valid = _attend_block(
-                    j + 1, q_smem, k_buf, v_buf, p_b, acc, m_i, l_i, zeros, next_slots, next_valid, prev_slots,
-                    prev_valid, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end, q_pos,
-                    key_offs, offs_n, offs_d, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND, O_MMA,
-                )  # fmt: skip
-            if (num_blocks - 1) % 2 == 1:
-                p_a, acc, m_i, l_i, next_slots, next_valid, prev_slots, prev_valid = _attend_block(
-                    num_blocks - 1, q_smem, k_buf, v_buf, p_a, acc, m_i, l_i, zeros, next_slots, next_valid,
-                    prev_slots, prev_valid, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end,
-                    q_pos, key_offs, offs_n, offs_d, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND, O_MMA,
-                )  # fmt: skip
-        else:
-            for j in range(1, num_blocks):
-                p_a, acc, m_i, l_i, next_slots, next_valid, prev_slots, prev_valid = _attend_block(
-                    j, q_smem, k_buf, v_buf, p_a, acc, m_i, l_i, zeros, next_slots, next_valid,
-                    prev_slots, prev_valid, page_row, k_head, v_head, stride_ks, stride_vs, end,
-                    unmasked_end, q_pos, key_offs, offs_n, offs_d, sm_scale_log2, STAGES, BLOCK_N,
-                    P_OPERAND, O_MMA,
-                )  # fmt: skip
-        p_op = p_a
-
-        # The last block's PV product (its V is in group num_blocks).
+        # The last block's PV product (its V is in group num_blocks + 1).
         async_copy.wait_group(0)
         gl.thread_barrier()
         fence_async_shared()
@@ -322,7 +298,7 @@ def extend_attention_wgmma(
     """attention_extend.extend_attention's long launch on this kernel (arguments as there;
     `applies` must hold). Writes `out`."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    block_m, block_n, num_warps, stages, unroll = CONFIG
+    block_m, block_n, num_warps, stages = CONFIG
     if tiles is not None:
         grid = (tiles.shape[1], num_heads)
     else:
@@ -354,7 +330,6 @@ def extend_attention_wgmma(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         STAGES=stages,
-        UNROLL=unroll,
         HEAVY_FIRST=heavy_first,
         TILED=tiles is not None,
         num_warps=num_warps,
