@@ -654,7 +654,7 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192, quick: bool = 
     attention_extend.WGMMA_LONG = True
     if attention_extend_wgmma.applies(chunks[0][1][0], chunks[0][1][1], None):
         wgmma_default = attention_extend_wgmma.CONFIG
-        others = [(128, 64, 8, 4, 1), (128, 128, 8, 3, 1), (128, 128, 8, 2, 1)]
+        others = [(128, 64, 8, 3), (128, 64, 8, 6)]
         for config in [wgmma_default] + ([] if quick else others):
             attention_extend_wgmma.CONFIG = config
             try:
@@ -681,14 +681,20 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192, quick: bool = 
         count = chunk // extend
         args, flop = extend_problem("llama-8b", [0] * count, [extend] * count, extend)
         line = []
-        for name, config in (
-            ("short", attention_extend.SHORT_CONFIGS["bf16"]),
-            ("long", attention_extend.LONG_CONFIG),
+        long_from = attention_extend.LONG_EXTEND
+        for name, config, gluon in (
+            ("short", attention_extend.SHORT_CONFIGS["bf16"], False),
+            ("long", attention_extend.LONG_CONFIG, False),
+            ("long, Gluon", attention_extend.LONG_CONFIG, True),  # at every E, for the crossover
         ):
+            if gluon and not attention_extend_wgmma.applies(args[0], args[1], None):
+                continue
             force_extend_config(config[:4])
+            attention_extend.WGMMA_LONG, attention_extend.LONG_EXTEND = gluon, 0 if gluon else long_from
             us = bench_us(lambda: extend_attention(*args))
             line.append(f"{name} {config}: {us:7.1f} us {flop / us / 1e6:6.1f} TFLOP/s")
         force_extend_config(None)
+        attention_extend.WGMMA_LONG, attention_extend.LONG_EXTEND = True, long_from
         print(f"  E={extend:5d} x {count:2d}: " + "   ".join(line), flush=True)
 
 

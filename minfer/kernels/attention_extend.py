@@ -283,10 +283,10 @@ def extend_attention(
     if (
         WGMMA_LONG
         and max_extend_len >= LONG_EXTEND
+        and block_m == attention_extend_wgmma.CONFIG[0]  # the block size the tile map was made for
         and k_scale is None
         and attention_extend_wgmma.applies(q, k_pool, window)
     ):
-        assert attention_extend_wgmma.CONFIG[0] == block_m  # the tile map was made for block_m
         attention_extend_wgmma.extend_attention_wgmma(
             q, k_pool, v_pool, out, page_table, table_idx, prefix_lens, seq_lens, cu_extend_lens,
             max_extend_len, scale, tiles, HEAVY_FIRST,
