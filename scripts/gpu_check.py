@@ -654,7 +654,7 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192, quick: bool = 
     attention_extend.WGMMA_LONG = True
     if attention_extend_wgmma.applies(chunks[0][1][0], chunks[0][1][1], None):
         wgmma_default = attention_extend_wgmma.CONFIG
-        others = [(128, 64, 8, 3), (128, 64, 8, 6)]
+        others = [(128, 64, 3), (128, 64, 5)]  # (BLOCK_M, BLOCK_N, STAGES)
         for config in [wgmma_default] + ([] if quick else others):
             attention_extend_wgmma.CONFIG = config
             try:

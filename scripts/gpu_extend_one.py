@@ -29,7 +29,7 @@ def main() -> None:
         "--configs",
         nargs="*",
         default=[],
-        help="also time the Gluon kernel in these CONFIGs, e.g. 128,64,8,4,2 (checked against Triton)",
+        help="also time the Gluon kernel in these CONFIGs, e.g. 128,64,5 (checked against Triton)",
     )
     opts = parser.parse_args()
     args, flop = extend_problem("llama-8b", [opts.prefix], [opts.chunk], 0)
