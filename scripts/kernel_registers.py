@@ -1,6 +1,7 @@
 """Registers, spills and shared memory of the attention kernels (and of gemv, with its
 prologues), compiled for an H200 (sm_90) on a machine without a GPU, and how many programs of
-each then fit on one SM.
+each then fit on one SM. The Gluon long-extend kernel is compiled the same way (its registers
+are the launch's limit; setmaxnreg moves them between its partitions at run time).
 
     python3 scripts/kernel_registers.py                 # decode and extend, uncapped
     python3 scripts/kernel_registers.py --caps 168 128  # also with those register caps (maxnreg)
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import inspect
+import itertools
 import os
 import re
 import subprocess
@@ -32,11 +34,18 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from minfer.kernels import attention_decode, attention_extend, decode_split_kernel, gemv  # noqa: E402
+from minfer.kernels import (  # noqa: E402
+    attention_decode,
+    attention_extend,
+    attention_extend_wgmma,
+    decode_split_kernel,
+    gemv,
+)
 
 H200 = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536
@@ -69,7 +78,8 @@ def arg_type(name: str, pool: str) -> str:
 
 
 def compile_for_h200(kernel, pool: str, constexprs: dict, num_warps: int, num_stages: int, cap: int | None):
-    """(registers, spill stack bytes, shared bytes, the SASS). Pointers and strides are marked
+    """(registers, spill stack bytes, shared bytes, the SASS, warps a program runs: a Gluon
+    kernel's worker partitions add theirs to num_warps). Pointers and strides are marked
     divisible by 16, as Triton's launcher specializes them on the device (pool strides are
     multiples of the head dim); without that the loads are not pipelined and the counts are
     another kernel's."""
@@ -81,7 +91,7 @@ def compile_for_h200(kernel, pool: str, constexprs: dict, num_warps: int, num_st
         if n not in constexprs
         and (signature[n].startswith("*") or (n.startswith("stride") and n != "stride_page_row"))
     }
-    source = ASTSource(
+    source = (GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource)(
         kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs
     )
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": cap} if cap else {}))
@@ -95,7 +105,13 @@ def compile_for_h200(kernel, pool: str, constexprs: dict, num_warps: int, num_st
         ).stdout
         sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+)\s+STACK:(\d+)", usage)
-    return int(found.group(1)), int(found.group(2)), compiled.metadata.shared, sass
+    return (
+        int(found.group(1)),
+        int(found.group(2)),
+        compiled.metadata.shared,
+        sass,
+        compiled.metadata.num_warps,
+    )
 
 
 # Instruction classes worth counting in an attention or GEMM kernel: tensor-core products, the
@@ -192,6 +208,27 @@ def cases():
                 )
 
 
+def gluon_cases():
+    """The Gluon long-extend kernel (attention_extend_wgmma) as the engine launches it: its cap is
+    the launch's register limit, which setmaxnreg then moves between the partitions."""
+    aw = attention_extend_wgmma
+    block_m, block_n, stages = aw.CONFIG
+    constexprs = dict(
+        GROUP=4,
+        HEAD_DIM=128,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        STAGES=stages,
+        HEAVY_FIRST=attention_extend.HEAVY_FIRST,
+        TILED=True,
+        PRODUCER_THREADS=aw.PRODUCER_THREADS,
+        CONSUMER_REGS=aw.CONSUMER_REGS,
+        PRODUCER_REGS=aw.PRODUCER_REGS,
+    )
+    cap = (2 * aw.CONSUMER_REGS + aw.PRODUCER_REGS) // 3 // 8 * 8  # as extend_attention_wgmma
+    yield "extend bf16    long Gluon tiled", aw._extend_wgmma_kernel, "bf16", constexprs, 4, 1, cap
+
+
 def gemv_cases():
     """gemv's launches at the one-row (and two-row) decode shapes, plain and with the prologue
     the engine would give it (MINFER_GEMV_PROLOGUE=on), and gate_up with the SiLU as its
@@ -247,15 +284,18 @@ def main() -> None:
     print(
         f"{'launch':32s} {'cap':>5s} {'registers':>9s} {'spill B':>7s} {'shared B':>8s} {'programs/SM':>11s}"
     )
-    for label, kernel, pool, constexprs, warps, stages, engine_cap in gemv_cases() if args.gemv else cases():
+    launches = gemv_cases() if args.gemv else itertools.chain(cases(), gluon_cases())
+    for label, kernel, pool, constexprs, warps, stages, engine_cap in launches:
         if args.only and args.only not in label:
             continue
         for cap in dict.fromkeys([None, engine_cap, *args.caps]):
-            registers, spill, shared, sass = compile_for_h200(kernel, pool, constexprs, warps, stages, cap)
+            registers, spill, shared, sass, all_warps = compile_for_h200(
+                kernel, pool, constexprs, warps, stages, cap
+            )
             mark = "*" if cap == engine_cap else " "
             print(
                 f"{label:32s} {str(cap or '-') + mark:>5s} {registers:9d} {spill:7d} {shared:8d} "
-                f"{programs_per_sm(registers, warps, shared):11d}",
+                f"{programs_per_sm(registers, all_warps, shared):11d}",
                 flush=True,
             )
             if args.ops and args.ops in label:
