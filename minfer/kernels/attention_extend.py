@@ -286,11 +286,22 @@ def extend_attention(
         and block_m == attention_extend_wgmma.CONFIG[0]  # the block size the tile map was made for
         and k_scale is None
         and attention_extend_wgmma.applies(q, k_pool, window)
-    ):
-        attention_extend_wgmma.extend_attention_wgmma(
-            q, k_pool, v_pool, out, page_table, table_idx, prefix_lens, seq_lens, cu_extend_lens,
-            max_extend_len, scale, tiles, HEAVY_FIRST,
+        and attention_extend_wgmma.extend_attention_wgmma(
+            q,
+            k_pool,
+            v_pool,
+            out,
+            page_table,
+            table_idx,
+            prefix_lens,
+            seq_lens,
+            cu_extend_lens,
+            max_extend_len,
+            scale,
+            tiles,
+            HEAVY_FIRST,
         )  # fmt: skip
+    ):
         return out
     register_cap = {"maxnreg": cap} if cap else {}
     _extend_kernel[grid](

@@ -30,12 +30,14 @@ two consumers' products (FlashAttention-3's ping-pong: 471-481), 128-key blocks 
 Scope: the engine's long launches only (attention_extend.launch_config's LONG_CONFIG case):
 bf16 or fp16 pools with 128-dim heads, no sliding window, compute capability 9.x (wgmma and
 setmaxnreg). The Triton kernel serves everything else, and on the CPU this file is never
-compiled.
+compiled. A launch that raises (Gluon is experimental and changes between Triton releases; this
+was written for 3.6) turns the kernel off with one warning, and the Triton kernel takes over.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
@@ -49,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+log = logging.getLogger(__name__)
 LOG2E = 1.4426950408889634
 # (BLOCK_M, BLOCK_N, STAGES): 128 query rows (two consumers of 64), 64-key blocks, 5 ring slots
 # of K and V (16 KB each) besides the Q staging tile (32 KB): 208 KB, one program per SM.
@@ -61,6 +64,13 @@ PRODUCER_REGS = 40
 PRODUCER_THREADS = 128  # one warpgroup: every thread's copies arrive on `full`
 
 
+# Why the kernel stopped being used, once its launch failed: Gluon is Triton's experimental
+# language and changes between Triton releases (this kernel was written for 3.6), so a Triton it
+# does not compile on, or a GPU without the shared memory it asks, falls back to the Triton
+# kernel with one warning rather than failing the request.
+_disabled: str | None = None
+
+
 @functools.cache
 def supported(device: torch.device) -> bool:
     """Whether this kernel can run on `device`: Hopper (wgmma is sm_90 only)."""
@@ -70,7 +80,8 @@ def supported(device: torch.device) -> bool:
 def applies(q: torch.Tensor, k_pool: torch.Tensor, window: int | None) -> bool:
     """Whether a long launch over these tensors can take this kernel."""
     return (
-        window is None
+        _disabled is None
+        and window is None
         and q.shape[-1] == 128
         and q.dtype in (torch.bfloat16, torch.float16)
         and k_pool.dtype == q.dtype
@@ -329,9 +340,10 @@ def extend_attention_wgmma(
     scale: float,
     tiles: torch.Tensor | None,
     heavy_first: bool,
-) -> None:
+) -> bool:
     """attention_extend.extend_attention's long launch on this kernel (arguments as there;
-    `applies` must hold). Writes `out`."""
+    `applies` must hold). Writes `out` and returns True; False, with this kernel disabled from
+    then on, when the launch raised (the caller then runs the Triton kernel)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_m, block_n, stages = CONFIG
     if tiles is not None:
@@ -341,38 +353,45 @@ def extend_attention_wgmma(
     # The launch's register limit is per thread over all 12 warps; the partitions then trade
     # registers (setmaxnreg), the first consumer taking what the others leave.
     maxnreg = (2 * CONSUMER_REGS + PRODUCER_REGS) // 3 // 8 * 8
-    _extend_wgmma_kernel[grid](
-        q,
-        k_pool,
-        v_pool,
-        out,
-        page_table,
-        table_idx,
-        prefix_lens,
-        seq_lens,
-        cu_extend_lens,
-        tiles if tiles is not None else seq_lens,
-        scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_pool.stride(0),
-        k_pool.stride(1),
-        v_pool.stride(0),
-        v_pool.stride(1),
-        out.stride(0),
-        out.stride(1),
-        page_table.stride(0),
-        tiles.stride(0) if tiles is not None else 16,
-        GROUP=num_heads // k_pool.shape[1],
-        HEAD_DIM=head_dim,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        STAGES=stages,
-        HEAVY_FIRST=heavy_first,
-        TILED=tiles is not None,
-        PRODUCER_THREADS=PRODUCER_THREADS,
-        CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4,  # the first consumer; the other two warpgroups come with warp_specialize
-        maxnreg=maxnreg,
-    )
+    try:  # a compile or launch error is raised here, before any work runs
+        _extend_wgmma_kernel[grid](
+            q,
+            k_pool,
+            v_pool,
+            out,
+            page_table,
+            table_idx,
+            prefix_lens,
+            seq_lens,
+            cu_extend_lens,
+            tiles if tiles is not None else seq_lens,
+            scale * LOG2E,
+            q.stride(0),
+            q.stride(1),
+            k_pool.stride(0),
+            k_pool.stride(1),
+            v_pool.stride(0),
+            v_pool.stride(1),
+            out.stride(0),
+            out.stride(1),
+            page_table.stride(0),
+            tiles.stride(0) if tiles is not None else 16,
+            GROUP=num_heads // k_pool.shape[1],
+            HEAD_DIM=head_dim,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            STAGES=stages,
+            HEAVY_FIRST=heavy_first,
+            TILED=tiles is not None,
+            PRODUCER_THREADS=PRODUCER_THREADS,
+            CONSUMER_REGS=CONSUMER_REGS,
+            PRODUCER_REGS=PRODUCER_REGS,
+            num_warps=4,  # the first consumer; the other two warpgroups come with warp_specialize
+            maxnreg=maxnreg,
+        )
+    except Exception as e:
+        global _disabled
+        _disabled = f"{type(e).__name__}: {e}"
+        log.warning("the Gluon extend kernel failed (%s); long prefills use the Triton kernel", _disabled)
+        return False
+    return True

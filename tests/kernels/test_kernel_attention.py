@@ -262,3 +262,18 @@ def test_extend_long_wgmma_gpu(dtype, tiled, monkeypatch):
     torch.testing.assert_close(out, _extend_reference(batch, q, scale), atol=1e-2, rtol=1e-2)
     monkeypatch.setattr(attention_extend, "WGMMA_LONG", False)
     torch.testing.assert_close(out, _run_extend(batch, q, scale, tiled=tiled), atol=1e-2, rtol=1e-2)
+
+
+def test_gluon_extend_launch_failure_falls_back(monkeypatch, caplog):
+    """A Gluon launch that raises (on this machine: no GPU to compile for) returns False with one
+    warning, and the kernel stays off, so every long prefill after it runs the Triton kernel
+    rather than failing its request."""
+    monkeypatch.setattr(attention_extend_wgmma, "_disabled", None)
+    batch, q = _extend_case(4, 128, 16, torch.bfloat16, torch.device("cpu"), [0], [40])
+    launched = attention_extend_wgmma.extend_attention_wgmma(
+        q, batch.k_pool, batch.v_pool, torch.empty_like(q), batch.page_table, batch.table_idx,
+        batch.prefix_lens, batch.seq_lens, batch.cu_extend_lens, 40, 128**-0.5, None, True,
+    )  # fmt: skip
+    assert not launched and attention_extend_wgmma._disabled
+    assert "Gluon extend kernel failed" in caplog.text
+    assert not attention_extend_wgmma.applies(q, batch.k_pool, None)
