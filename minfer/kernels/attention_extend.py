@@ -21,8 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels import attention_extend_wgmma
 from minfer.kernels.common import attend_blocks, fp8_pool_operand
+
+try:
+    from minfer.kernels import attention_extend_wgmma
+except ImportError:  # a Triton without Gluon (before 3.4): every launch stays on this kernel
+    attention_extend_wgmma = None
 
 LOG2E = 1.4426950408889634
 # GPU launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages, register cap: Triton's
@@ -282,6 +286,7 @@ def extend_attention(
         grid = (triton.cdiv(max_extend_len, block_m), batch, num_heads)
     if (
         WGMMA_LONG
+        and attention_extend_wgmma is not None
         and max_extend_len >= LONG_EXTEND
         and block_m == attention_extend_wgmma.CONFIG[0]  # the block size the tile map was made for
         and k_scale is None

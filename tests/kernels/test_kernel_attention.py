@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -277,3 +279,16 @@ def test_gluon_extend_launch_failure_falls_back(monkeypatch, caplog):
     assert not launched and attention_extend_wgmma._disabled
     assert "Gluon extend kernel failed" in caplog.text
     assert not attention_extend_wgmma.applies(q, batch.k_pool, None)
+
+
+def test_extend_imports_on_a_triton_without_gluon():
+    """minfer allows Triton releases from before Gluon: there the extend module still imports and
+    every launch stays on the Triton kernel (a subprocess, where Gluon's import is made to fail)."""
+    code = (
+        "import sys; sys.modules['triton.experimental.gluon'] = None\n"
+        "from minfer.kernels import attention_extend\n"
+        "assert attention_extend.attention_extend_wgmma is None\n"
+        "print('imported')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "imported" in result.stdout, result.stderr[-2000:]
