@@ -19,13 +19,9 @@ compute, meeting at a barrier per block. Here a program has three warpgroups:
 
 Registers are moved to the consumers (setmaxnreg: 232 each, the producer 40).
 
-Measured on an H100 (scripts/gpu_extend_one.py and scripts/gpu_check.py --extend-long, Llama-8B
-heads, docs/BENCHMARKS.md): an 8k chunk over a 16k prefix at 483 TFLOP/s against the Triton
-kernel's 436, over no prefix 441 against 393. What did not pay, in the same calls: the same
-overlap without warp specialization (all warps gathering, a barrier per block: 466), with one
-key block per loop trip instead of two (427), issuing block j + 1's scores before block j's
-softmax so both products overlap it (415-425), Q read from shared memory (451), alternating the
-two consumers' products (FlashAttention-3's ping-pong: 471-481), 128-key blocks (they spill).
+Measured on an H100 (docs/BENCHMARKS.md, twenty-seventh session, with the variants that did
+not pay): a 32k prompt's four 8k chunks (Llama-8B heads) at 484 TFLOP/s against the Triton
+kernel's 432.
 
 Scope: the engine's long launches only (attention_extend.launch_config's LONG_CONFIG case):
 bf16 or fp16 pools with 128-dim heads, no sliding window, compute capability 9.x (wgmma and
@@ -54,9 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 log = logging.getLogger(__name__)
 LOG2E = 1.4426950408889634
 # (BLOCK_M, BLOCK_N, STAGES): 128 query rows (two consumers of 64), 64-key blocks, 5 ring slots
-# of K and V (16 KB each) besides the Q staging tile (32 KB): 208 KB, one program per SM.
-# 5 slots against 4: +0.6% and +1.1% in two calls (483.6 vs 478.3 TFLOP/s on the 32k prompt),
-# 3 slots -1.7%; 6 do not fit. 128-key blocks spill at 232 registers.
+# of K and V (16 KB each) besides the Q staging tile (32 KB): 208 KB, one program per SM. 5
+# slots beat 4 by 0.6-1.1% in two calls; 6 do not fit; 128-key blocks spill.
 # BLOCK_M must equal attention_extend.LONG_CONFIG's: the engine's tile maps are made for that.
 CONFIG = (128, 64, 5)
 CONSUMER_REGS = 232  # per thread; 2 x 128 x 232 + 128 x 40 fills the 64K-register file
@@ -64,10 +59,7 @@ PRODUCER_REGS = 40
 PRODUCER_THREADS = 128  # one warpgroup: every thread's copies arrive on `full`
 
 
-# Why the kernel stopped being used, once its launch failed: Gluon is Triton's experimental
-# language and changes between Triton releases (this kernel was written for 3.6), so a Triton it
-# does not compile on, or a GPU without the shared memory it asks, falls back to the Triton
-# kernel with one warning rather than failing the request.
+# Why the kernel is off, once a launch of it raised (see the module's last paragraph).
 _disabled: str | None = None
 
 
@@ -87,22 +79,6 @@ def applies(q: torch.Tensor, k_pool: torch.Tensor, window: int | None) -> bool:
         and k_pool.dtype == q.dtype
         and supported(q.device)
     )
-
-
-@gluon.jit
-def _block_slots(page_row, block, end, offs_n, BLOCK_N: gl.constexpr):
-    """(pool slots, in-bounds mask) of key block `block`'s positions."""
-    pos = block * BLOCK_N + offs_n
-    valid = pos < end
-    return gl.load(page_row + pos, mask=valid, other=0), valid
-
-
-@gluon.jit
-def _gather_rows(buf, head_ptr, slots, stride, valid, offs_d):
-    """Start cp.async copies of the pool rows `slots` of one head into the ring slot `buf`;
-    rows that are not `valid` are filled with zeros and read nothing."""
-    ptrs = head_ptr + slots.to(gl.int64)[:, None] * stride + offs_d[None, :]
-    async_copy.async_copy_global_to_shared(buf, ptrs, mask=valid[:, None])
 
 
 @gluon.jit
@@ -147,8 +123,6 @@ def _attend_block(
     return p_next, acc, m_new, l_i
 
 
-# The partitions' functions take the same arguments (Gluon requires it of worker partitions);
-# each uses what its role needs.
 @gluon.jit
 def _consumer(
     half, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt, stride_qh,
@@ -249,9 +223,15 @@ def _producer(
         slot = i % STAGES
         # A fresh mbarrier counts its phase before 0 as complete: the first pass does not wait.
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-        slots, valid = _block_slots(page_row, i, end, offs_n, BLOCK_N)
-        _gather_rows(k_buf.index(slot), k_head, slots, stride_ks, valid, offs_d)
-        _gather_rows(v_buf.index(slot), v_head, slots, stride_vs, valid, offs_d)
+        pos = i * BLOCK_N + offs_n
+        valid = pos < end  # rows past the keys are filled with zeros and read nothing
+        slots = gl.load(page_row + pos, mask=valid, other=0).to(gl.int64)[:, None]
+        async_copy.async_copy_global_to_shared(
+            k_buf.index(slot), k_head + slots * stride_ks + offs_d[None, :], mask=valid[:, None]
+        )
+        async_copy.async_copy_global_to_shared(
+            v_buf.index(slot), v_head + slots * stride_vs + offs_d[None, :], mask=valid[:, None]
+        )
         # arrives on full[slot] when this thread's copies so far have landed
         async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
 
@@ -300,26 +280,22 @@ def _extend_wgmma_kernel(
         end = gl.minimum(seq_len, prefix + (block_m + 1) * BLOCK_M)
         unmasked_end = (prefix + block_m * BLOCK_M) // BLOCK_N * BLOCK_N
         num_blocks = gl.cdiv(end, BLOCK_N)
+        # Every partition takes the same arguments (Gluon requires it of workers); `half` and the
+        # Q staging tile are the consumers'.
         gl.warp_specialize(
             [
-                (_consumer, (
-                    0, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
-                    stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs,
-                    end, unmasked_end, num_blocks, sm_scale_log2, q_staging.index(0), k_buf, v_buf,
-                    full, empty, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                )),
-                (_consumer, (
-                    1, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
-                    stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs,
-                    end, unmasked_end, num_blocks, sm_scale_log2, q_staging.index(1), k_buf, v_buf,
-                    full, empty, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                )),
-                (_producer, (
-                    2, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
-                    stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs,
-                    end, unmasked_end, num_blocks, sm_scale_log2, q_staging.index(0), k_buf, v_buf,
-                    full, empty, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                )),
+                (_consumer, (0, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
+                    stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end,
+                    unmasked_end, num_blocks, sm_scale_log2, q_staging.index(0), k_buf, v_buf, full,
+                    empty, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                (_consumer, (1, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
+                    stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end,
+                    unmasked_end, num_blocks, sm_scale_log2, q_staging.index(1), k_buf, v_buf, full,
+                    empty, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                (_producer, (2, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
+                    stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end,
+                    unmasked_end, num_blocks, sm_scale_log2, q_staging.index(0), k_buf, v_buf, full,
+                    empty, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
             ],
             [4, PRODUCER_THREADS // 32],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -355,40 +331,16 @@ def extend_attention_wgmma(
     maxnreg = (2 * CONSUMER_REGS + PRODUCER_REGS) // 3 // 8 * 8
     try:  # a compile or launch error is raised here, before any work runs
         _extend_wgmma_kernel[grid](
-            q,
-            k_pool,
-            v_pool,
-            out,
-            page_table,
-            table_idx,
-            prefix_lens,
-            seq_lens,
-            cu_extend_lens,
-            tiles if tiles is not None else seq_lens,
-            scale * LOG2E,
-            q.stride(0),
-            q.stride(1),
-            k_pool.stride(0),
-            k_pool.stride(1),
-            v_pool.stride(0),
-            v_pool.stride(1),
-            out.stride(0),
-            out.stride(1),
-            page_table.stride(0),
-            tiles.stride(0) if tiles is not None else 16,
-            GROUP=num_heads // k_pool.shape[1],
-            HEAD_DIM=head_dim,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            STAGES=stages,
-            HEAVY_FIRST=heavy_first,
-            TILED=tiles is not None,
-            PRODUCER_THREADS=PRODUCER_THREADS,
-            CONSUMER_REGS=CONSUMER_REGS,
-            PRODUCER_REGS=PRODUCER_REGS,
+            q, k_pool, v_pool, out, page_table, table_idx, prefix_lens, seq_lens, cu_extend_lens,
+            tiles if tiles is not None else seq_lens, scale * LOG2E, q.stride(0), q.stride(1),
+            k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), out.stride(0),
+            out.stride(1), page_table.stride(0), tiles.stride(0) if tiles is not None else 16,
+            GROUP=num_heads // k_pool.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m,
+            BLOCK_N=block_n, STAGES=stages, HEAVY_FIRST=heavy_first, TILED=tiles is not None,
+            PRODUCER_THREADS=PRODUCER_THREADS, CONSUMER_REGS=CONSUMER_REGS,
+            PRODUCER_REGS=PRODUCER_REGS, maxnreg=maxnreg,
             num_warps=4,  # the first consumer; the other two warpgroups come with warp_specialize
-            maxnreg=maxnreg,
-        )
+        )  # fmt: skip
     except Exception as e:
         global _disabled
         _disabled = f"{type(e).__name__}: {e}"
