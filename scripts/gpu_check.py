@@ -632,24 +632,29 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192, quick: bool = 
             (128, 32, 8, 3),
         ]
     ]
-    for config in configs[:1] if quick else configs:
-        force_extend_config(config)
+
+    def time_chunks(label: str) -> None:
+        """One row: every chunk through extend_attention as configured now, checked against the
+        default's output."""
         try:
             times = []
             for (prefix, args, _), want in zip(chunks, expected):
-                out = extend_attention(*args)
-                err = (out.float() - want.float()).abs().max().item()
+                err = (extend_attention(*args).float() - want.float()).abs().max().item()
                 if err > 2e-2:
-                    failures.append(f"extend long {config} prefix {prefix}: max abs err {err:.3g}")
+                    failures.append(f"extend long {label} prefix {prefix}: max abs err {err:.3g}")
                 times.append(bench_us(lambda: extend_attention(*args)))
             print(
-                f"  {config}: "
+                f"  {label}: "
                 + "  ".join(f"{t:8.1f}" for t in times)
                 + f"   {total_flop / sum(times) / 1e6:6.1f} TFLOP/s",
                 flush=True,
             )
         except Exception as e:  # e.g. out of shared memory
-            print(f"  {config}: {type(e).__name__}", flush=True)
+            print(f"  {label}: {type(e).__name__}: {e}", flush=True)
+
+    for config in configs[:1] if quick else configs:
+        force_extend_config(config)
+        time_chunks(str(config))
     force_extend_config(None)
     attention_extend.WGMMA_LONG = True
     if attention_extend_wgmma.applies(chunks[0][1][0], chunks[0][1][1], None):
@@ -657,21 +662,7 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192, quick: bool = 
         others = [(128, 64, 3), (128, 64, 5)]  # (BLOCK_M, BLOCK_N, STAGES)
         for config in [wgmma_default] + ([] if quick else others):
             attention_extend_wgmma.CONFIG = config
-            try:
-                times = []
-                for (prefix, args, _), want in zip(chunks, expected):
-                    err = (extend_attention(*args).float() - want.float()).abs().max().item()
-                    if err > 2e-2:
-                        failures.append(f"extend long wgmma {config} prefix {prefix}: max abs err {err:.3g}")
-                    times.append(bench_us(lambda: extend_attention(*args)))
-                print(
-                    f"  wgmma {config}: "
-                    + "  ".join(f"{t:8.1f}" for t in times)
-                    + f"   {total_flop / sum(times) / 1e6:6.1f} TFLOP/s",
-                    flush=True,
-                )
-            except Exception as e:  # e.g. out of shared memory
-                print(f"  wgmma {config}: {type(e).__name__}: {e}", flush=True)
+            time_chunks(f"wgmma {config}")
         attention_extend_wgmma.CONFIG = wgmma_default
     if quick:
         return

@@ -272,6 +272,25 @@ def set_launch(name: str, config) -> None:
         ad.BLOCK_N = block_n
 
 
+def compare_launches(configs, apply, call, nbytes: float) -> list[str]:
+    """One table cell per launch configuration: `apply(config)`, then `call` graph-timed (read
+    bandwidth over nbytes) and its output against the first configuration's (the default
+    launch: the others must agree with it)."""
+    cells, first = [], None
+    for config in configs:
+        apply(config)
+        try:
+            t = timed(call)
+            out = call().float()
+        except Exception as exc:  # out of shared memory for this configuration
+            cells.append(f"{config}: {type(exc).__name__}")
+            continue
+        first = out if first is None else first
+        diff = (out - first).abs().max().item()
+        cells.append(f"{config}: {t:6.1f} us {nbytes / t / 1e6:4.2f} TB/s  max |diff| {diff:.1e}")
+    return cells
+
+
 def pipeline_sweep() -> None:
     """Each pool's launch with deeper load pipelines (PIPELINES), graph-timed at 16-256 running;
     each launch's output against the first (default) launch's."""
@@ -281,20 +300,12 @@ def pipeline_sweep() -> None:
         q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
         for name, (k_pool, v_pool, scales) in pools.items():
             width = 2 if name == "bf16" else 1
-            cells, first = [], None
-            for config in PIPELINES[name]:
-                set_launch(name, config)
-                try:
-                    t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
-                    out = ad.decode_attention(q, k_pool, v_pool, *common, **scales).float()
-                except Exception as exc:  # out of shared memory for this configuration
-                    cells.append(f"{config}: {type(exc).__name__}")
-                    continue
-                first = out if first is None else first  # the table's first row: the default launch
-                diff = (out - first).abs().max().item()  # other launches must agree with it
-                cells.append(
-                    f"{config}: {t:6.1f} us {values * width / t / 1e6:4.2f} TB/s  max |diff| {diff:.1e}"
-                )
+            cells = compare_launches(
+                PIPELINES[name],
+                lambda config: set_launch(name, config),
+                lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales),
+                values * width,
+            )
             ad.BLOCK_N, ad.FP8_BLOCK_N, ad.NUM_WARPS, ad.NUM_STAGES, ad.FP8_MAX_REGISTERS = saved
             print(f"B={batch_size:3d} {name}\n    " + "\n    ".join(cells), flush=True)
         del pools
@@ -343,18 +354,12 @@ def widen_study(batches=BATCHES) -> None:
     for batch_size in batches:
         q, pools, common, values = build("qwen3-0.6b", draw(batch_size), 1)
         k_pool, v_pool, scales = pools["fp8"]
-        cells, first = [], None
-        for config in WIDEN_LAUNCHES:
-            set_fp8_launch(*config)
-            try:
-                t = timed(lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales))
-                out = ad.decode_attention(q, k_pool, v_pool, *common, **scales).float()
-            except Exception as exc:  # out of shared memory for this configuration
-                cells.append(f"{config}: {type(exc).__name__}")
-                continue
-            first = out if first is None else first
-            diff = (out - first).abs().max().item()
-            cells.append(f"{config}: {t:6.1f} us {values / t / 1e6:4.2f} TB/s  max |diff| {diff:.1e}")
+        cells = compare_launches(
+            WIDEN_LAUNCHES,
+            lambda config: set_fp8_launch(*config),
+            lambda: ad.decode_attention(q, k_pool, v_pool, *common, **scales),
+            values,
+        )
         for name, value in saved.items():
             setattr(ad, name, value)
         print(f"B={batch_size:3d} fp8\n    " + "\n    ".join(cells), flush=True)

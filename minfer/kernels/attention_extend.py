@@ -288,9 +288,8 @@ def extend_attention(
         WGMMA_LONG
         and attention_extend_wgmma is not None
         and max_extend_len >= LONG_EXTEND
-        and block_m == attention_extend_wgmma.CONFIG[0]  # the block size the tile map was made for
-        and k_scale is None
-        and attention_extend_wgmma.applies(q, k_pool, window)
+        and block_m == attention_extend_wgmma.CONFIG[0]  # the block size the grid and tiles are for
+        and attention_extend_wgmma.applies(q, k_pool, window)  # (an fp8 pool is not q's dtype)
         and attention_extend_wgmma.extend_attention_wgmma(
             q,
             k_pool,
@@ -301,9 +300,9 @@ def extend_attention(
             prefix_lens,
             seq_lens,
             cu_extend_lens,
-            max_extend_len,
             scale,
             tiles,
+            grid,
             HEAVY_FIRST,
         )  # fmt: skip
     ):

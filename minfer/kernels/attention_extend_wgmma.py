@@ -36,7 +36,6 @@ import functools
 import logging
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -312,20 +311,17 @@ def extend_attention_wgmma(
     prefix_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     cu_extend_lens: torch.Tensor,
-    max_extend_len: int,
     scale: float,
     tiles: torch.Tensor | None,
+    grid: tuple[int, ...],
     heavy_first: bool,
 ) -> bool:
-    """attention_extend.extend_attention's long launch on this kernel (arguments as there;
-    `applies` must hold). Writes `out` and returns True; False, with this kernel disabled from
-    then on, when the launch raised (the caller then runs the Triton kernel)."""
+    """attention_extend.extend_attention's long launch on this kernel (arguments and grid as
+    there, which CONFIG's BLOCK_M must have sized; `applies` must hold). Writes `out` and
+    returns True; False, with this kernel disabled from then on, when the launch raised (the
+    caller then runs the Triton kernel)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_m, block_n, stages = CONFIG
-    if tiles is not None:
-        grid = (tiles.shape[1], num_heads)
-    else:
-        grid = (triton.cdiv(max_extend_len, block_m), table_idx.shape[0], num_heads)
     # The launch's register limit is per thread over all 12 warps; the partitions then trade
     # registers (setmaxnreg), the first consumer taking what the others leave.
     maxnreg = (2 * CONSUMER_REGS + PRODUCER_REGS) // 3 // 8 * 8

@@ -274,7 +274,7 @@ def test_gluon_extend_launch_failure_falls_back(monkeypatch, caplog):
     batch, q = _extend_case(4, 128, 16, torch.bfloat16, torch.device("cpu"), [0], [40])
     launched = attention_extend_wgmma.extend_attention_wgmma(
         q, batch.k_pool, batch.v_pool, torch.empty_like(q), batch.page_table, batch.table_idx,
-        batch.prefix_lens, batch.seq_lens, batch.cu_extend_lens, 40, 128**-0.5, None, True,
+        batch.prefix_lens, batch.seq_lens, batch.cu_extend_lens, 128**-0.5, None, (1, 1, 8), True,
     )  # fmt: skip
     assert not launched and attention_extend_wgmma._disabled
     assert "Gluon extend kernel failed" in caplog.text
