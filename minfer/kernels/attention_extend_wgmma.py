@@ -2,26 +2,26 @@
 one key block runs while the tensor cores multiply the previous block's probabilities by V.
 
 Why a second extend kernel: a long prompt's chunks are compute-bound, and the Triton kernel
-(attention_extend.py) reaches 54% of the tensor cores' rate there. Within one of its programs
-each key block's product QK^T, its softmax and the product PV run one after another (Triton
-waits for every tensor-core product where it is issued), and all its warps both gather K/V and
-compute, meeting at a barrier per block. Here a program has three warpgroups:
+(attention_extend.py) reaches 54% of the tensor cores' rate there: in one of its programs each
+key block's QK^T, softmax and PV run one after another (Triton waits for a tensor-core product
+where it is issued). Here a program has three warpgroups:
 
 - a producer gathers each key block's K and V rows through the page table with cp.async (no
-  TMA: a block's rows are scattered) into a ring of STAGES slots; `full[slot]` completes when
-  every producer thread's copies have landed, and the producer refills a slot once `empty[slot]`
-  says both consumers have read it;
+  TMA: a block's rows are scattered) into rings of STAGES slots, K and V apart: a K slot is
+  free again once both consumers' scores are done with it, before their PV products end. The
+  page-table entries of block i + 1 are loaded while block i is copied and reach the copy
+  layout through shared memory, so no L2 round trip stands before a block's copies;
 - two consumers own 64 query rows each, with Q in registers as the scores' left operand (so a
   key block crosses shared memory once per consumer). Per block j a consumer issues block j's
   scores and block j - 1's PV product, waits for the scores only, and runs block j's softmax
   while PV is in flight (FlashAttention-3's overlap within a warpgroup); the consumers run at
   their own pace, with no barrier between them.
 
-Registers are moved to the consumers (setmaxnreg: 232 each, the producer 40).
+Registers are moved to the consumers (setmaxnreg: 240 each, the producer 32).
 
-Measured on an H100 (docs/BENCHMARKS.md, twenty-seventh session, with the variants that did
-not pay): a 32k prompt's four 8k chunks (Llama-8B heads) at 484 TFLOP/s against the Triton
-kernel's 432.
+Measured on an H100 (docs/BENCHMARKS.md, twenty-seventh and twenty-eighth sessions, with the
+variants that did not pay): an 8k chunk over a 16k prefix (Llama-8B heads) at 507 TFLOP/s
+against the Triton kernel's 436.
 
 Scope: the engine's long launches only (attention_extend.launch_config's LONG_CONFIG case):
 bf16 or fp16 pools with 128-dim heads, no sliding window, compute capability 9.x (wgmma and
@@ -48,18 +48,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 log = logging.getLogger(__name__)
 LOG2E = 1.4426950408889634
-# (BLOCK_M, BLOCK_N, STAGES): 128 query rows (two consumers of 64), 64-key blocks, 5 ring slots
-# of K and V (16 KB each) besides the Q staging tile (32 KB): 208 KB, one program per SM. 5
-# slots beat 4 by 0.6-1.1% in two calls; 6 do not fit; 128-key blocks spill.
-# BLOCK_M must equal attention_extend.LONG_CONFIG's: the engine's tile maps are made for that.
-CONFIG = (128, 64, 5)
-CONSUMER_REGS = 232  # per thread; 2 x 128 x 232 + 128 x 40 fills the 64K-register file
-PRODUCER_REGS = 40
-PRODUCER_THREADS = 128  # one warpgroup: every thread's copies arrive on `full`
+# (BLOCK_M, BLOCK_N, STAGES): 128 query rows (two consumers of 64), 128-key blocks, 3 ring slots
+# of K and of V (32 KB each) besides the Q tile (32 KB, also O's way out): 225 KB, one program
+# an SM. 128-key blocks beat 64-key ones (5 slots) by 3-5%: half the row reductions and
+# rescales per key. BLOCK_M must equal attention_extend.LONG_CONFIG's (the tile maps' size).
+CONFIG = (128, 128, 3)
+CONSUMER_REGS = 240  # per thread; 2 x 128 x 240 + 128 x 32 fills the 64K-register file
+PRODUCER_REGS = 32
+COPY_ROWS = gl.constexpr(32)  # rows of a block one producer copy covers: few pointers live at once
+PRODUCER_THREADS = 128  # one warpgroup: every thread's copies arrive on a `full` barrier
 
 
-# Why the kernel is off, once a launch of it raised (see the module's last paragraph).
-_disabled: str | None = None
+_disabled: str | None = None  # why the kernel is off, once a launch of it raised (see the docstring)
 
 
 @functools.cache
@@ -100,13 +100,19 @@ def _attend_block(
 ):  # fmt: skip
     """A consumer's block j >= 1: block j's scores and block j - 1's PV product (probabilities
     p_prev) are issued, and block j's softmax runs while PV is in flight. Returns block j's
-    probabilities (the next PV operand) and the updated state."""
+    probabilities (the next PV operand) and the updated state. Barriers: full/empty[slot] are
+    K's, full/empty[STAGES + slot] V's."""
     slot = j % STAGES
+    v_slot = (j - 1) % STAGES
+    # V_{j-1} was copied before K_j, so waiting for it first costs nothing; waiting between the
+    # two issues would put a loop (and ptxas's wgmma wait) between them.
+    mbarrier.wait(full.index(STAGES + v_slot), ((j - 1) // STAGES) & 1)
     mbarrier.wait(full.index(slot), (j // STAGES) & 1)
     fence_async_shared()  # the copies' writes, before the tensor cores read them
     s_token = warpgroup_mma(q_operand, k_buf.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
-    acc_token = warpgroup_mma(p_prev, v_buf.index((j - 1) % STAGES), acc, is_async=True)
+    acc_token = warpgroup_mma(p_prev, v_buf.index(v_slot), acc, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token,))
+    mbarrier.arrive(empty.index(slot))  # K_j is read
     # The softmax sits inside the branches: ptxas puts a wgmma wait at the top of its basic
     # block, so the wait for PV below (in the join block) then comes after the exps it should
     # overlap, rather than before them (seen in the sm_90 code).
@@ -116,7 +122,7 @@ def _attend_block(
     else:
         m_new, alpha, p, l_i = _online_softmax(s, m_i, l_i, sm_scale_log2)
     acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc_token, p_prev))
-    mbarrier.arrive(empty.index((j - 1) % STAGES))  # block j - 1's K and V are read
+    mbarrier.arrive(empty.index(STAGES + v_slot))  # V_{j-1} is read
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
     p_next = gl.convert_layout(p.to(p_prev.dtype), P_OPERAND)
     return p_next, acc, m_new, l_i
@@ -126,7 +132,7 @@ def _attend_block(
 def _consumer(
     half, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt, stride_qh,
     stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end,
-    num_blocks, sm_scale_log2, q_staging, k_buf, v_buf, full, empty,
+    num_blocks, sm_scale_log2, q_staging, k_buf, v_buf, full, empty, slot_buf,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """One consumer warpgroup: query rows [half * 64, half * 64 + 64) of the program's tile
@@ -136,12 +142,8 @@ def _consumer(
     # q/out tiles: 16 bytes per thread along the head dim. Products: each warp owns 16 rows,
     # so row reductions stay within a warp.
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    S_MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
+    S_MMA: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], instr_shape=[16, BLOCK_N, 16])
+    O_MMA: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], instr_shape=[16, HEAD_DIM, 16])
     P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
 
     first_row = block_m * BLOCK_M + half * ROWS
@@ -149,11 +151,8 @@ def _consumer(
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
     m_mask = offs_m < extend_len
     q_rows = (q_start + offs_m).to(gl.int64)
-    q = gl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None],
-        other=0.0,
-    )
+    q_tile = q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q = gl.load(q_tile, mask=m_mask[:, None], other=0.0)
     # Q into the registers of the scores' left operand, through shared memory.
     q_staging.store(q)
     gl.thread_barrier()
@@ -166,14 +165,11 @@ def _consumer(
     mbarrier.wait(full.index(0), 0)
     fence_async_shared()
     s = warpgroup_mma(q_operand, k_buf.index(0).permute((1, 0)), zeros, use_acc=False)
+    mbarrier.arrive(empty.index(0))
     if unmasked_end == 0:
         s = gl.where(key_offs[None, :] <= q_pos[:, None], s, float("-inf"))
-    m_i, _, p, l_i = _online_softmax(
-        s,
-        gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, S_MMA)),
-        gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, S_MMA)),
-        sm_scale_log2,
-    )
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, S_MMA))
+    m_i, _, p, l_i = _online_softmax(s, m_i, gl.zeros_like(m_i), sm_scale_log2)
     p_a = gl.convert_layout(p.to(dtype), P_OPERAND)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_MMA)
     # Two blocks per trip: the probabilities being written (p_b, then p_a) are another value
@@ -195,44 +191,62 @@ def _consumer(
             unmasked_end, q_pos, key_offs, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND, O_MMA,
         )  # fmt: skip
     # The last block's PV product (the producer is done: no slot needs freeing).
-    acc = warpgroup_mma(p_a, v_buf.index((num_blocks - 1) % STAGES), acc)
+    last = num_blocks - 1
+    mbarrier.wait(full.index(STAGES + last % STAGES), (last // STAGES) & 1)
+    fence_async_shared()
+    acc = warpgroup_mma(p_a, v_buf.index(last % STAGES), acc)
 
     o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_MMA))[:, None]
-    o = gl.convert_layout(o.to(out_ptr.dtype.element_ty), LOAD)
-    gl.store(
-        out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        o,
-        mask=m_mask[:, None],
-    )
+    # Out through the Q tile, free now: a layout conversion would need 16 KB of shared memory.
+    q_staging.store(o.to(out_ptr.dtype.element_ty))
+    gl.thread_barrier()
+    out_tile = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    gl.store(out_tile, q_staging.load(LOAD), mask=m_mask[:, None])
 
 
 @gluon.jit
 def _producer(
     half, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt, stride_qh,
     stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end,
-    num_blocks, sm_scale_log2, q_staging, k_buf, v_buf, full, empty,
+    num_blocks, sm_scale_log2, q_staging, k_buf, v_buf, full, empty, slot_buf,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """The producer warpgroup: every key block's K and V rows into ring slot block % STAGES,
     once both consumers have read what the slot held before."""
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
+    ONE_EACH: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # a page-table entry a thread
+    rows = gl.arange(0, COPY_ROWS, layout=gl.SliceLayout(1, LOAD))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
+    offs_n = gl.arange(0, BLOCK_N, layout=ONE_EACH)
+    slot_buf.index(0).store(gl.load(page_row + offs_n, mask=offs_n < end, other=0))
+    gl.thread_barrier()
     for i in range(num_blocks):
         slot = i % STAGES
-        # A fresh mbarrier counts its phase before 0 as complete: the first pass does not wait.
-        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-        pos = i * BLOCK_N + offs_n
-        valid = pos < end  # rows past the keys are filled with zeros and read nothing
-        slots = gl.load(page_row + pos, mask=valid, other=0).to(gl.int64)[:, None]
-        async_copy.async_copy_global_to_shared(
-            k_buf.index(slot), k_head + slots * stride_ks + offs_d[None, :], mask=valid[:, None]
-        )
-        async_copy.async_copy_global_to_shared(
-            v_buf.index(slot), v_head + slots * stride_vs + offs_d[None, :], mask=valid[:, None]
-        )
-        # arrives on full[slot] when this thread's copies so far have landed
+        phase = ((i // STAGES) & 1) ^ 1  # a fresh mbarrier counts its phase before 0 as complete
+        next_pos = (i + 1) * BLOCK_N + offs_n
+        next_slots = gl.load(page_row + next_pos, mask=next_pos < end, other=0)  # in flight meanwhile
+        slots = slot_buf.index(i % 2)
+        mbarrier.wait(empty.index(slot), phase)
+        for r in gl.static_range(0, BLOCK_N, COPY_ROWS):
+            _copy_rows(k_buf.index(slot), k_head, stride_ks, slots, i * BLOCK_N, r, rows, offs_d, end)
+        # arrives when this thread's copies so far have landed
         async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
+        mbarrier.wait(empty.index(STAGES + slot), phase)
+        for r in gl.static_range(0, BLOCK_N, COPY_ROWS):
+            _copy_rows(v_buf.index(slot), v_head, stride_vs, slots, i * BLOCK_N, r, rows, offs_d, end)
+        async_copy.mbarrier_arrive(full.index(STAGES + slot), increment_count=False)
+        slot_buf.index((i + 1) % 2).store(next_slots)
+        gl.thread_barrier()  # every thread's entries, before any thread reads them
+
+
+@gluon.jit
+def _copy_rows(buf, head_ptr, stride, slots, first, r, rows, offs_d, end):
+    """Block rows [r, r + COPY_ROWS) into buf by their page-table entries (past the keys: zeros)."""
+    valid = first + r + rows < end
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    entries = slots.slice(r, COPY_ROWS).load(gl.SliceLayout(1, LOAD)).to(gl.int64)[:, None]
+    src = head_ptr + entries * stride + offs_d[None, :]
+    async_copy.async_copy_global_to_shared(buf.slice(r, COPY_ROWS), src, mask=valid[:, None])
 
 
 @gluon.jit
@@ -265,9 +279,11 @@ def _extend_wgmma_kernel(
         q_staging = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], TILE)
         k_buf = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE)
         v_buf = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE)
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
+        # K's ring barriers, then V's; the page-table entries of two blocks
+        full = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+        slot_buf = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        for i in gl.static_range(2 * STAGES):
             mbarrier.init(full.index(i), count=PRODUCER_THREADS)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
 
@@ -279,22 +295,21 @@ def _extend_wgmma_kernel(
         end = gl.minimum(seq_len, prefix + (block_m + 1) * BLOCK_M)
         unmasked_end = (prefix + block_m * BLOCK_M) // BLOCK_N * BLOCK_N
         num_blocks = gl.cdiv(end, BLOCK_N)
-        # Every partition takes the same arguments (Gluon requires it of workers); `half` and the
-        # Q staging tile are the consumers'.
+        # Every partition takes the same arguments (Gluon requires it); `half` and Q's are the consumers'.
         gl.warp_specialize(
             [
                 (_consumer, (0, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
                     stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end,
                     unmasked_end, num_blocks, sm_scale_log2, q_staging.index(0), k_buf, v_buf, full,
-                    empty, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                    empty, slot_buf, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
                 (_consumer, (1, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
                     stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end,
                     unmasked_end, num_blocks, sm_scale_log2, q_staging.index(1), k_buf, v_buf, full,
-                    empty, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                    empty, slot_buf, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
                 (_producer, (2, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
                     stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end,
                     unmasked_end, num_blocks, sm_scale_log2, q_staging.index(0), k_buf, v_buf, full,
-                    empty, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                    empty, slot_buf, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
             ],
             [4, PRODUCER_THREADS // 32],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -302,28 +317,18 @@ def _extend_wgmma_kernel(
 
 
 def extend_attention_wgmma(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    out: torch.Tensor,
-    page_table: torch.Tensor,
-    table_idx: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_extend_lens: torch.Tensor,
-    scale: float,
-    tiles: torch.Tensor | None,
-    grid: tuple[int, ...],
-    heavy_first: bool,
-) -> bool:
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
+    page_table: torch.Tensor, table_idx: torch.Tensor, prefix_lens: torch.Tensor,
+    seq_lens: torch.Tensor, cu_extend_lens: torch.Tensor, scale: float,
+    tiles: torch.Tensor | None, grid: tuple[int, ...], heavy_first: bool,
+) -> bool:  # fmt: skip
     """attention_extend.extend_attention's long launch on this kernel (arguments and grid as
     there, which CONFIG's BLOCK_M must have sized; `applies` must hold). Writes `out` and
     returns True; False, with this kernel disabled from then on, when the launch raised (the
     caller then runs the Triton kernel)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_m, block_n, stages = CONFIG
-    # The launch's register limit is per thread over all 12 warps; the partitions then trade
-    # registers (setmaxnreg), the first consumer taking what the others leave.
+    # The launch's register limit is per thread over all 12 warps; setmaxnreg then moves them.
     maxnreg = (2 * CONSUMER_REGS + PRODUCER_REGS) // 3 // 8 * 8
     try:  # a compile or launch error is raised here, before any work runs
         _extend_wgmma_kernel[grid](
