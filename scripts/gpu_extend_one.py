@@ -6,11 +6,22 @@
 Llama-8B heads (32 q, 8 kv, 128 dims), an 8,192-token chunk over a 16,384-token prefix (pages of
 16, shuffled), as chunked prefill runs the third chunk of a 32k prompt. The Triton kernel runs
 first (`_extend_kernel`), then the Gluon one (`_extend_wgmma_kernel`), `--launches` times each.
+
+`--variants` times diagnostic builds of the Gluon kernel, made by patching its source (each
+patch must match the source exactly once, so a stale patch fails loudly): `no-copies` (the
+producer fills the ring once and then only signals, so the consumers compute on real data with no
+K/V traffic: the consumers' ceiling) and `zero-fill` (every copy after the first fill reads
+nothing and writes zeros: shared-memory writes without L2 reads).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import triton
@@ -18,6 +29,33 @@ from gpu_check import extend_problem
 
 from minfer.kernels import attention_extend, attention_extend_wgmma
 from minfer.kernels.attention_extend import extend_attention
+
+# Diagnostic builds of attention_extend_wgmma: (text, replacement) pairs applied to its source.
+_COPY_K = "        for r in gl.static_range(0, BLOCK_N, COPY_ROWS):\n            _copy_rows(k_buf"
+_COPY_V = "        for r in gl.static_range(0, BLOCK_N, COPY_ROWS):\n            _copy_rows(v_buf"
+_GUARD = "        if i < STAGES:\n            for r in gl.static_range(0, BLOCK_N, COPY_ROWS):\n                _copy_rows("
+_ZERO = "rows, offs_d, end * (i < STAGES).to(gl.int32))"
+VARIANTS = {
+    "no-copies": [(_COPY_K, _GUARD + "k_buf"), (_COPY_V, _GUARD + "v_buf")],
+    "zero-fill": [("rows, offs_d, end)\n        # arrives", _ZERO + "\n        # arrives"),
+                  ("rows, offs_d, end)\n        async_copy.mbarrier_arrive(full.index(STAGES", _ZERO + "\n        async_copy.mbarrier_arrive(full.index(STAGES")],
+}  # fmt: skip
+
+
+def load_variant(name: str):
+    """attention_extend_wgmma with VARIANTS[name] applied, imported from a temporary file (Gluon
+    reads a kernel's source from its file)."""
+    source = inspect.getsource(attention_extend_wgmma)
+    for text, replacement in VARIANTS[name]:
+        if source.count(text) != 1:
+            sys.exit(f"variant {name}: the kernel's source no longer has {text!r} exactly once")
+        source = source.replace(text, replacement)
+    path = Path(tempfile.mkdtemp()) / f"extend_{name.replace('-', '_')}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
@@ -31,6 +69,7 @@ def main() -> None:
         default=[],
         help="also time the Gluon kernel in these CONFIGs, e.g. 128,64,5 (checked against Triton)",
     )
+    parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS))
     opts = parser.parse_args()
     args, flop = extend_problem("llama-8b", [opts.prefix], [opts.chunk], 0)
     for wgmma in (False, True):
@@ -46,13 +85,22 @@ def main() -> None:
         print(f"{'gluon' if wgmma else 'triton'}: {us:8.1f} us per launch, {flop / us / 1e6:6.1f} TFLOP/s")
         if not wgmma:
             expected = extend_attention(*args)
+
+    def timed(label: str) -> None:
+        err = (extend_attention(*args).float() - expected.float()).abs().max().item()
+        us = triton.testing.do_bench(lambda: extend_attention(*args), warmup=25, rep=100) * 1e3
+        print(f"gluon {label}: {us:8.1f} us per launch, {flop / us / 1e6:6.1f} TFLOP/s, max |diff| {err:.2g}")
+
     default = attention_extend_wgmma.CONFIG
     for text in opts.configs:
         attention_extend_wgmma.CONFIG = tuple(int(x) for x in text.split(","))
-        err = (extend_attention(*args).float() - expected.float()).abs().max().item()
-        us = triton.testing.do_bench(lambda: extend_attention(*args), warmup=25, rep=100) * 1e3
-        print(f"gluon {text}: {us:8.1f} us per launch, {flop / us / 1e6:6.1f} TFLOP/s, max |diff| {err:.2g}")
+        timed(text)
     attention_extend_wgmma.CONFIG = default
+    launch = attention_extend_wgmma.extend_attention_wgmma
+    for name in opts.variants:  # (their outputs are wrong by design: the K/V they use are stale)
+        attention_extend_wgmma.extend_attention_wgmma = load_variant(name).extend_attention_wgmma
+        timed(name)
+    attention_extend_wgmma.extend_attention_wgmma = launch
 
 
 if __name__ == "__main__":
