@@ -673,18 +673,23 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192, quick: bool = 
         args, flop = extend_problem("llama-8b", [0] * count, [extend] * count, extend)
         line = []
         long_from = attention_extend.LONG_EXTEND
+        wgmma_default = attention_extend_wgmma.CONFIG
         for name, config, gluon in (
-            ("short", attention_extend.SHORT_CONFIGS["bf16"], False),
-            ("long", attention_extend.LONG_CONFIG, False),
-            ("long, Gluon", attention_extend.LONG_CONFIG, True),  # at every E, for the crossover
+            ("short", attention_extend.SHORT_CONFIGS["bf16"], None),
+            ("long", attention_extend.LONG_CONFIG, None),
+            # at every E, for the crossover; and 64-key blocks, which lose less on diagonal blocks
+            ("long, Gluon", attention_extend.LONG_CONFIG, wgmma_default),
+            ("long, Gluon 64-key", attention_extend.LONG_CONFIG, (128, 64, 5)),
         ):
             if gluon and not attention_extend_wgmma.applies(args[0], args[1], None):
                 continue
             force_extend_config(config[:4])
-            attention_extend.WGMMA_LONG, attention_extend.LONG_EXTEND = gluon, 0 if gluon else long_from
+            attention_extend.WGMMA_LONG, attention_extend.LONG_EXTEND = bool(gluon), 0 if gluon else long_from
+            attention_extend_wgmma.CONFIG = gluon or wgmma_default
             us = bench_us(lambda: extend_attention(*args))
-            line.append(f"{name} {config}: {us:7.1f} us {flop / us / 1e6:6.1f} TFLOP/s")
+            line.append(f"{name} {gluon or config}: {us:7.1f} us {flop / us / 1e6:6.1f} TFLOP/s")
         force_extend_config(None)
+        attention_extend_wgmma.CONFIG = wgmma_default
         attention_extend.WGMMA_LONG, attention_extend.LONG_EXTEND = True, long_from
         print(f"  E={extend:5d} x {count:2d}: " + "   ".join(line), flush=True)
 
