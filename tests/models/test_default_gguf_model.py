@@ -3,8 +3,6 @@ the same file: next-token logits, greedy tokens, and the France question."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from greedy_parity import assert_greedy_parity, near_tie_gap
@@ -12,7 +10,6 @@ from greedy_parity import assert_greedy_parity, near_tie_gap
 from minfer import LLM, SamplingParams
 from minfer.attention.base import ForwardContext, build_metadata
 from minfer.kvcache.pool import KVPool
-from minfer.models.loader import default_model_path
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -23,14 +20,8 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def reference(llm):
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
-    return model.eval()
+def reference(llm, default_reference):
+    return default_reference
 
 
 def _minfer_logits(llm, ids: list[int]) -> torch.Tensor:

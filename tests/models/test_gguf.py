@@ -40,21 +40,9 @@ def default_split():
     return os.path.split(DEFAULT)
 
 
-@pytest.fixture(scope="module")
-def reference_config(default_split):
-    """transformers' own reading of the default model's config (reading a GGUF takes seconds)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(default_split[0], gguf_file=default_split[1])
-
-
 @needs_default
-def test_default_model_weights_match_transformers(default_split, reference_config, caplog):
-    from transformers import AutoModelForCausalLM
-
-    directory, name = default_split
-    reference = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=reference_config)
-    reference = reference.state_dict()
+def test_default_model_weights_match_transformers(default_reference, caplog):
+    reference = default_reference.state_dict()
     with caplog.at_level(logging.INFO, logger="minfer.models.gguf"):
         fresh = list(mg.gguf_weights(DEFAULT))  # converts and caches
         cached = list(mg.gguf_weights(DEFAULT))  # reads the cached copy
@@ -71,8 +59,8 @@ def test_default_model_weights_match_transformers(default_split, reference_confi
 
 
 @needs_default
-def test_default_model_config_matches_transformers(reference_config):
-    reference = reference_config
+def test_default_model_config_matches_transformers(default_reference):
+    reference = default_reference.config  # transformers' own reading of the GGUF's metadata
     ours = mg.gguf_config(DEFAULT)
     assert ours.architectures == ["LlamaForCausalLM"]
     for field in (
