@@ -668,12 +668,11 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192, quick: bool = 
         return
 
     print("\n== where the long configuration starts: 8192 tokens of prompts of E tokens each ==", flush=True)
+    long_from, wgmma_default = attention_extend.LONG_EXTEND, attention_extend_wgmma.CONFIG
     for extend in (512, 1024, 1536, 2048, 4096):
         count = chunk // extend
         args, flop = extend_problem("llama-8b", [0] * count, [extend] * count, extend)
         line = []
-        long_from = attention_extend.LONG_EXTEND
-        wgmma_default = attention_extend_wgmma.CONFIG
         for name, config, gluon in (
             ("short", attention_extend.SHORT_CONFIGS["bf16"], None),
             ("long", attention_extend.LONG_CONFIG, None),

@@ -225,8 +225,7 @@ def gluon_cases():
         CONSUMER_REGS=aw.CONSUMER_REGS,
         PRODUCER_REGS=aw.PRODUCER_REGS,
     )
-    cap = (2 * aw.CONSUMER_REGS + aw.PRODUCER_REGS) // 3 // 8 * 8  # as extend_attention_wgmma
-    yield "extend bf16    long Gluon tiled", aw._extend_wgmma_kernel, "bf16", constexprs, 4, 1, cap
+    yield "extend bf16    long Gluon tiled", aw._extend_wgmma_kernel, "bf16", constexprs, 4, 1, aw.MAXNREG
 
 
 def gemv_cases():

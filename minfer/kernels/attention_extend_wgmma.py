@@ -57,6 +57,10 @@ CONSUMER_REGS = 240  # per thread; 2 x 128 x 240 + 128 x 32 fills the 64K-regist
 PRODUCER_REGS = 32
 COPY_ROWS = gl.constexpr(32)  # rows of a block one producer copy covers: few pointers live at once
 PRODUCER_THREADS = 128  # one warpgroup: every thread's copies arrive on a `full` barrier
+# The launch's register limit, per thread over all 12 warps; setmaxnreg then moves registers.
+MAXNREG = (2 * CONSUMER_REGS + PRODUCER_REGS) // 3 // 8 * 8
+# Q, K/V and out tiles in registers: 16 bytes per thread along the head dim.
+LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
 
 _disabled: str | None = None  # why the kernel is off, once a launch of it raised (see the docstring)
@@ -139,9 +143,7 @@ def _consumer(
     over every key block, written to out."""
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    # q/out tiles: 16 bytes per thread along the head dim. Products: each warp owns 16 rows,
-    # so row reductions stay within a warp.
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    # Products: each warp owns 16 rows, so row reductions stay within a warp.
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], instr_shape=[16, BLOCK_N, 16])
     O_MMA: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], instr_shape=[16, HEAD_DIM, 16])
     P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
@@ -213,7 +215,6 @@ def _producer(
 ):  # fmt: skip
     """The producer warpgroup: every key block's K and V rows into ring slot block % STAGES,
     once both consumers have read what the slot held before."""
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     ONE_EACH: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # a page-table entry a thread
     rows = gl.arange(0, COPY_ROWS, layout=gl.SliceLayout(1, LOAD))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
@@ -243,7 +244,6 @@ def _producer(
 def _copy_rows(buf, head_ptr, stride, slots, first, r, rows, offs_d, end):
     """Block rows [r, r + COPY_ROWS) into buf by their page-table entries (past the keys: zeros)."""
     valid = first + r + rows < end
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     entries = slots.slice(r, COPY_ROWS).load(gl.SliceLayout(1, LOAD)).to(gl.int64)[:, None]
     src = head_ptr + entries * stride + offs_d[None, :]
     async_copy.async_copy_global_to_shared(buf.slice(r, COPY_ROWS), src, mask=valid[:, None])
@@ -328,8 +328,6 @@ def extend_attention_wgmma(
     caller then runs the Triton kernel)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_m, block_n, stages = CONFIG
-    # The launch's register limit is per thread over all 12 warps; setmaxnreg then moves them.
-    maxnreg = (2 * CONSUMER_REGS + PRODUCER_REGS) // 3 // 8 * 8
     try:  # a compile or launch error is raised here, before any work runs
         _extend_wgmma_kernel[grid](
             q, k_pool, v_pool, out, page_table, table_idx, prefix_lens, seq_lens, cu_extend_lens,
@@ -339,7 +337,7 @@ def extend_attention_wgmma(
             GROUP=num_heads // k_pool.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m,
             BLOCK_N=block_n, STAGES=stages, HEAVY_FIRST=heavy_first, TILED=tiles is not None,
             PRODUCER_THREADS=PRODUCER_THREADS, CONSUMER_REGS=CONSUMER_REGS,
-            PRODUCER_REGS=PRODUCER_REGS, maxnreg=maxnreg,
+            PRODUCER_REGS=PRODUCER_REGS, maxnreg=MAXNREG,
             num_warps=4,  # the first consumer; the other two warpgroups come with warp_specialize
         )  # fmt: skip
     except Exception as e:

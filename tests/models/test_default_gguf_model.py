@@ -19,11 +19,6 @@ def llm():
     return LLM(disable_overlap_schedule=True)
 
 
-@pytest.fixture(scope="module")
-def reference(llm, default_reference):
-    return default_reference
-
-
 def _minfer_logits(llm, ids: list[int]) -> torch.Tensor:
     """Logits of every position from one prefill through a throwaway pool."""
     eng = llm.engine
@@ -38,7 +33,8 @@ def _minfer_logits(llm, ids: list[int]) -> torch.Tensor:
         return eng.model.compute_logits(hidden)
 
 
-def test_logits_match_transformers(llm, reference):
+def test_logits_match_transformers(llm, default_reference):
+    reference = default_reference  # tests/models/conftest.py
     ids = llm.apply_chat_template(QUESTION)
     ours = _minfer_logits(llm, ids)
     with torch.no_grad():
@@ -47,7 +43,8 @@ def test_logits_match_transformers(llm, reference):
     assert torch.allclose(ours, theirs, atol=2e-3, rtol=1e-3), (ours - theirs).abs().max()
 
 
-def test_greedy_answer_is_paris_and_matches_transformers(llm, reference):
+def test_greedy_answer_is_paris_and_matches_transformers(llm, default_reference):
+    reference = default_reference
     ids = llm.apply_chat_template(QUESTION)
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert "Paris" in out.text
