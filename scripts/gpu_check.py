@@ -167,9 +167,14 @@ def decode_case(model: str, batch_size: int, seq_lens: list[int], label: str) ->
 
 
 def extend_problem(
-    model: str, prefix_lens: list[int], extend_lens: list[int], seed: int, table_width: int | None = None
+    model: str,
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    seed: int,
+    table_width: int | None = None,
+    page_size: int = PAGE_SIZE,
 ) -> tuple[tuple, int]:
-    """One extend launch with `model`'s heads (page size 16, pages shuffled): extend_attention's
+    """One extend launch with `model`'s heads (pages shuffled): extend_attention's
     arguments and the launch's causal FLOPs (query j of a request sees prefix + j + 1 keys; two
     products of 2 FLOPs per multiply-add)."""
     num_heads, num_kv_heads, head_dim = MODELS[model][:3]
@@ -178,7 +183,7 @@ def extend_problem(
         extend_lens,
         num_kv_heads,
         head_dim,
-        PAGE_SIZE,
+        page_size,
         DTYPE,
         DEVICE,
         torch.Generator().manual_seed(seed),

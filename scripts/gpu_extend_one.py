@@ -4,14 +4,18 @@
         --section WarpStateStats python3 scripts/gpu_extend_one.py
 
 Llama-8B heads (32 q, 8 kv, 128 dims), an 8,192-token chunk over a 16,384-token prefix (pages of
-16, shuffled), as chunked prefill runs the third chunk of a 32k prompt. The Triton kernel runs
+16 by default, shuffled), as chunked prefill runs the third chunk of a 32k prompt. The Triton kernel runs
 first (`_extend_kernel`), then the Gluon one (`_extend_wgmma_kernel`), `--launches` times each.
 
 `--variants` times diagnostic builds of the Gluon kernel, made by patching its source (each
 patch must match the source exactly once, so a stale patch fails loudly): `no-copies` (the
 producer fills the ring once and then only signals, so the consumers compute on real data with no
-K/V traffic: the consumers' ceiling) and `zero-fill` (every copy after the first fill reads
-nothing and writes zeros: shared-memory writes without L2 reads).
+K/V traffic: the consumers' ceiling), `zero-fill` (cp.async only, and every copy after the first
+fill reads nothing and writes zeros: shared-memory writes without L2 reads) and `cp-async` (every
+run gathered row by row with cp.async, none by TMA: the kernel before TMA runs).
+
+`--page-size` sets the pool's pages (shuffled): 16 and up puts every run of 16 keys in one TMA
+box, 1 none.
 """
 
 from __future__ import annotations
@@ -31,14 +35,13 @@ from minfer.kernels import attention_extend, attention_extend_wgmma
 from minfer.kernels.attention_extend import extend_attention
 
 # Diagnostic builds of attention_extend_wgmma: (text, replacement) pairs applied to its source.
-_COPY_K = "        for r in gl.static_range(0, BLOCK_N, COPY_ROWS):\n            _copy_rows(k_buf"
-_COPY_V = "        for r in gl.static_range(0, BLOCK_N, COPY_ROWS):\n            _copy_rows(v_buf"
-_GUARD = "        if i < STAGES:\n            for r in gl.static_range(0, BLOCK_N, COPY_ROWS):\n                _copy_rows("
-_ZERO = "rows, offs_d, end * (i < STAGES).to(gl.int32))"
+_FIRST_FILL = f"first < {attention_extend_wgmma.CONFIG[1] * attention_extend_wgmma.CONFIG[2]}"  # i < STAGES
+_TMA = "        if start >= 0:\n"
 VARIANTS = {
-    "no-copies": [(_COPY_K, _GUARD + "k_buf"), (_COPY_V, _GUARD + "v_buf")],
-    "zero-fill": [("rows, offs_d, end)\n        # arrives", _ZERO + "\n        # arrives"),
-                  ("rows, offs_d, end)\n        async_copy.mbarrier_arrive(full.index(STAGES", _ZERO + "\n        async_copy.mbarrier_arrive(full.index(STAGES")],
+    "no-copies": [(_TMA, f"        if not ({_FIRST_FILL}):\n            mbarrier.arrive(bar)\n        elif start >= 0:\n")],
+    "zero-fill": [("mask=(first + rows < end)[:, None])", f"mask=((first + rows < end) & ({_FIRST_FILL}))[:, None])"),
+                  (_TMA, "        if False:\n")],
+    "cp-async": [(_TMA, "        if False:\n")],
 }  # fmt: skip
 
 
@@ -63,6 +66,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=16384)
     parser.add_argument("--chunk", type=int, default=8192)
     parser.add_argument("--launches", type=int, default=3)
+    parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument(
         "--configs",
         nargs="*",
@@ -71,7 +75,7 @@ def main() -> None:
     )
     parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS))
     opts = parser.parse_args()
-    args, flop = extend_problem("llama-8b", [opts.prefix], [opts.chunk], 0)
+    args, flop = extend_problem("llama-8b", [opts.prefix], [opts.chunk], 0, page_size=opts.page_size)
     for wgmma in (False, True):
         attention_extend.WGMMA_LONG = wgmma
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

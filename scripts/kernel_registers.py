@@ -66,6 +66,9 @@ def arg_type(name: str, pool: str) -> str:
     """Triton's type string for a kernel argument, from the naming the attention kernels use."""
     if name in ("k_ptr", "v_ptr"):
         return "*" + pool
+    if name in ("k_desc", "v_desc"):  # the Gluon kernel's TMA descriptors over the pools
+        box = attention_extend_wgmma.RUN.value, 128
+        return f"tensordesc<{pool}[{box[0]}, {box[1]}],{attention_extend_wgmma.TILE.value!r}>"
     if name.endswith("scale_ptr") or name in ("part_out_ptr", "part_lse_ptr"):
         return "*fp32"
     if name in INDEX_ARGS:
@@ -118,7 +121,7 @@ def compile_for_h200(kernel, pool: str, constexprs: dict, num_warps: int, num_st
 # fp32 arithmetic of the softmax, exp2 (MUFU), the loads, and the shared-memory traffic and
 # register shuffling (LDS, LDSM, STS, IMAD, PRMT, SEL) that operand layout changes cost.
 OP_CLASSES = (
-    "HGMMA", "HMMA", "FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "F2FP", "LDGSTS", "LDG", "STG", "BAR",
+    "HGMMA", "HMMA", "UTMALDG", "FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "F2FP", "LDGSTS", "LDG", "STG", "BAR",
     "LDS", "LDSM", "STS", "IMAD", "PRMT", "SEL", "CCTL",
 )  # fmt: skip
 

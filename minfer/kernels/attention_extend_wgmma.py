@@ -39,9 +39,11 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -55,10 +57,15 @@ LOG2E = 1.4426950408889634
 CONFIG = (128, 128, 3)
 CONSUMER_REGS = 240  # per thread; 2 x 128 x 240 + 128 x 32 fills the 64K-register file
 PRODUCER_REGS = 32
-COPY_ROWS = gl.constexpr(32)  # rows of a block one producer copy covers: few pointers live at once
+# Key rows per TMA box: a run of consecutive pool slots (pages of 16 or more; with pages of 1, a
+# prompt's slots as the allocator hands them out, in ascending runs) is one bulk copy.
+RUN = gl.constexpr(16)
+RUNS = gl.constexpr(gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0]))  # a block's entries, a run a row
 PRODUCER_THREADS = 128  # one warpgroup: every thread's copies arrive on a `full` barrier
 # The launch's register limit, per thread over all 12 warps; setmaxnreg then moves registers.
 MAXNREG = (2 * CONSUMER_REGS + PRODUCER_REGS) // 3 // 8 * 8
+# Q, K/V tiles in shared memory: the layout wgmma reads, and TMA writes (rows of 128 bytes swizzled)
+TILE = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 # Q, K/V and out tiles in registers: 16 bytes per thread along the head dim.
 LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
@@ -136,8 +143,9 @@ def _attend_block(
 def _consumer(
     half, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt, stride_qh,
     stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end,
-    num_blocks, sm_scale_log2, q_staging, k_buf, v_buf, full, empty, slot_buf,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    num_blocks, sm_scale_log2, q_staging, k_buf, v_buf, full, empty, slot_buf, run_buf, k_desc,
+    v_desc, kv_col, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
 ):  # fmt: skip
     """One consumer warpgroup: query rows [half * 64, half * 64 + 64) of the program's tile
     over every key block, written to out."""
@@ -210,48 +218,81 @@ def _consumer(
 def _producer(
     half, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt, stride_qh,
     stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end,
-    num_blocks, sm_scale_log2, q_staging, k_buf, v_buf, full, empty, slot_buf,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    num_blocks, sm_scale_log2, q_staging, k_buf, v_buf, full, empty, slot_buf, run_buf, k_desc,
+    v_desc, kv_col, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
 ):  # fmt: skip
     """The producer warpgroup: every key block's K and V rows into ring slot block % STAGES,
     once both consumers have read what the slot held before."""
-    ONE_EACH: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # a page-table entry a thread
-    rows = gl.arange(0, COPY_ROWS, layout=gl.SliceLayout(1, LOAD))
+    GROUPS: gl.constexpr = BLOCK_N // RUN
+    rows = gl.arange(0, RUN, layout=gl.SliceLayout(1, LOAD))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
-    offs_n = gl.arange(0, BLOCK_N, layout=ONE_EACH)
-    slot_buf.index(0).store(gl.load(page_row + offs_n, mask=offs_n < end, other=0))
+    offs_n = (
+        gl.arange(0, GROUPS, layout=gl.SliceLayout(1, RUNS))[:, None] * RUN
+        + gl.arange(0, RUN, layout=gl.SliceLayout(0, RUNS))[None, :]
+    )
+    _store_runs(gl.load(page_row + offs_n, mask=offs_n < end, other=0), 0, end, offs_n, slot_buf.index(0), run_buf.index(0))
     gl.thread_barrier()
     for i in range(num_blocks):
         slot = i % STAGES
         phase = ((i // STAGES) & 1) ^ 1  # a fresh mbarrier counts its phase before 0 as complete
         next_pos = (i + 1) * BLOCK_N + offs_n
         next_slots = gl.load(page_row + next_pos, mask=next_pos < end, other=0)  # in flight meanwhile
-        slots = slot_buf.index(i % 2)
+        slots, starts = slot_buf.index(i % 2), run_buf.index(i % 2)
         mbarrier.wait(empty.index(slot), phase)
-        for r in gl.static_range(0, BLOCK_N, COPY_ROWS):
-            _copy_rows(k_buf.index(slot), k_head, stride_ks, slots, i * BLOCK_N, r, rows, offs_d, end)
-        # arrives when this thread's copies so far have landed
-        async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
+        _fill(k_buf.index(slot), k_desc, full.index(slot), k_head, stride_ks, kv_col, slots, starts,
+              i * BLOCK_N, rows, offs_d, end, HEAD_DIM, BLOCK_N)  # fmt: skip
         mbarrier.wait(empty.index(STAGES + slot), phase)
-        for r in gl.static_range(0, BLOCK_N, COPY_ROWS):
-            _copy_rows(v_buf.index(slot), v_head, stride_vs, slots, i * BLOCK_N, r, rows, offs_d, end)
-        async_copy.mbarrier_arrive(full.index(STAGES + slot), increment_count=False)
-        slot_buf.index((i + 1) % 2).store(next_slots)
+        _fill(v_buf.index(slot), v_desc, full.index(STAGES + slot), v_head, stride_vs, kv_col, slots,
+              starts, i * BLOCK_N, rows, offs_d, end, HEAD_DIM, BLOCK_N)  # fmt: skip
+        _store_runs(next_slots, (i + 1) * BLOCK_N, end, offs_n, slot_buf.index((i + 1) % 2), run_buf.index((i + 1) % 2))
         gl.thread_barrier()  # every thread's entries, before any thread reads them
 
 
 @gluon.jit
-def _copy_rows(buf, head_ptr, stride, slots, first, r, rows, offs_d, end):
-    """Block rows [r, r + COPY_ROWS) into buf by their page-table entries (past the keys: zeros)."""
-    valid = first + r + rows < end
-    entries = slots.slice(r, COPY_ROWS).load(gl.SliceLayout(1, LOAD)).to(gl.int64)[:, None]
+def _store_runs(entries, first, end, offs_n, slots, starts):
+    """A block's page-table entries into `slots`, and for each run of RUN rows the pool slot it
+    starts at into `starts` where its slots are consecutive and all its rows are keys, else -1."""
+    slots.store(gl.reshape(entries, [entries.numel]))
+    step = entries - offs_n  # the same value along a run iff its slots are consecutive
+    low, high = gl.min(step, 1), gl.max(step, 1)
+    whole = first + offs_n.max(1) < end
+    starts.store(gl.where((low == high) & whole, low + offs_n.min(1), -1))
+
+
+@gluon.jit
+def _fill(buf, desc, bar, head_ptr, stride, col, slots, starts, first, rows, offs_d, end,
+          HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """A block's K (or V) rows into ring slot `buf`: a run of consecutive pool slots as one TMA
+    box (a copy engine's bulk transfer, no thread's instructions per row), any other run row by
+    row with cp.async. `bar` counts one arrival per run and one per producer thread."""
+    GROUPS: gl.constexpr = BLOCK_N // RUN
+    EVERY_THREAD: gl.constexpr = gl.BlockedLayout([GROUPS], [32], [4], [0])  # all of them, in each thread
+    run_starts = starts.load(EVERY_THREAD)
+    groups = gl.arange(0, GROUPS, layout=EVERY_THREAD)
+    for g in gl.static_range(GROUPS):
+        start = gl.max(gl.where(groups == g, run_starts, -1), 0)  # within the thread: no shuffles
+        if start >= 0:
+            mbarrier.expect(bar, RUN * HEAD_DIM * 2)
+            tma.async_copy_global_to_shared(desc, [start, col], bar, buf.slice(g * RUN, RUN))
+        else:
+            mbarrier.arrive(bar)
+            _copy_rows(buf.slice(g * RUN, RUN), head_ptr, stride, slots.slice(g * RUN, RUN), first + g * RUN, rows, offs_d, end)
+    async_copy.mbarrier_arrive(bar, increment_count=False)  # once this thread's copies have landed
+
+
+@gluon.jit
+def _copy_rows(buf, head_ptr, stride, slots, first, rows, offs_d, end):
+    """The RUN key rows from position `first` on into buf by their page-table entries `slots`
+    (rows past the keys: zeros)."""
+    entries = slots.load(gl.SliceLayout(1, LOAD)).to(gl.int64)[:, None]
     src = head_ptr + entries * stride + offs_d[None, :]
-    async_copy.async_copy_global_to_shared(buf.slice(r, COPY_ROWS), src, mask=valid[:, None])
+    async_copy.async_copy_global_to_shared(buf, src, mask=(first + rows < end)[:, None])
 
 
 @gluon.jit
 def _extend_wgmma_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, table_idx_ptr, prefix_lens_ptr, seq_lens_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, page_table_ptr, table_idx_ptr, prefix_lens_ptr, seq_lens_ptr,
     cu_extend_lens_ptr, tiles_ptr, sm_scale_log2, stride_qt, stride_qh, stride_ks, stride_kh,
     stride_vs, stride_vh, stride_ot, stride_oh, stride_page_row, stride_tiles,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -275,7 +316,6 @@ def _extend_wgmma_kernel(
         seq_len = gl.load(seq_lens_ptr + b)
         row = gl.load(table_idx_ptr + b).to(gl.int64)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
-        TILE: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         q_staging = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], TILE)
         k_buf = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE)
         v_buf = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE)
@@ -283,11 +323,14 @@ def _extend_wgmma_kernel(
         full = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         slot_buf = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        run_buf = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N // RUN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(2 * STAGES):
-            mbarrier.init(full.index(i), count=PRODUCER_THREADS)
+            # an arrival per producer thread (its cp.async copies) and per run (its TMA box or none)
+            mbarrier.init(full.index(i), count=PRODUCER_THREADS + BLOCK_N // RUN)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
 
         page_row = page_table_ptr + row * stride_page_row
+        kv_col = (head // GROUP) * HEAD_DIM  # the head's first column in the descriptors' view
         k_head = k_ptr + (head // GROUP) * stride_kh
         v_head = v_ptr + (head // GROUP) * stride_vh
         # Keys [0, end): the last row's position bounds them. Blocks from unmasked_end on reach
@@ -301,19 +344,28 @@ def _extend_wgmma_kernel(
                 (_consumer, (0, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
                     stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end,
                     unmasked_end, num_blocks, sm_scale_log2, q_staging.index(0), k_buf, v_buf, full,
-                    empty, slot_buf, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                    empty, slot_buf, run_buf, k_desc, v_desc, kv_col, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
                 (_consumer, (1, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
                     stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end,
                     unmasked_end, num_blocks, sm_scale_log2, q_staging.index(1), k_buf, v_buf, full,
-                    empty, slot_buf, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                    empty, slot_buf, run_buf, k_desc, v_desc, kv_col, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
                 (_producer, (2, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
                     stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end,
                     unmasked_end, num_blocks, sm_scale_log2, q_staging.index(0), k_buf, v_buf, full,
-                    empty, slot_buf, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                    empty, slot_buf, run_buf, k_desc, v_desc, kv_col, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
             ],
             [4, PRODUCER_THREADS // 32],
             [CONSUMER_REGS, PRODUCER_REGS],
         )  # fmt: skip
+
+
+def _run_descriptor(pool: torch.Tensor) -> TensorDescriptor:
+    """A TMA descriptor over a K or V pool seen as [slots, kv heads x head dim], whose box is a
+    run of RUN slots of one head."""
+    slots, kv_heads, head_dim = pool.shape
+    if pool.stride(2) != 1 or pool.stride(1) != head_dim:
+        raise ValueError("the Gluon extend kernel needs each slot's heads contiguous in the pool")
+    return TensorDescriptor(pool, [slots, kv_heads * head_dim], [pool.stride(0), 1], [RUN.value, head_dim], TILE.value)
 
 
 def extend_attention_wgmma(
@@ -329,8 +381,9 @@ def extend_attention_wgmma(
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_m, block_n, stages = CONFIG
     try:  # a compile or launch error is raised here, before any work runs
+        k_desc, v_desc = _run_descriptor(k_pool), _run_descriptor(v_pool)
         _extend_wgmma_kernel[grid](
-            q, k_pool, v_pool, out, page_table, table_idx, prefix_lens, seq_lens, cu_extend_lens,
+            q, k_pool, v_pool, k_desc, v_desc, out, page_table, table_idx, prefix_lens, seq_lens, cu_extend_lens,
             tiles if tiles is not None else seq_lens, scale * LOG2E, q.stride(0), q.stride(1),
             k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), out.stride(0),
             out.stride(1), page_table.stride(0), tiles.stride(0) if tiles is not None else 16,

@@ -266,6 +266,22 @@ def test_extend_long_wgmma_gpu(dtype, tiled, monkeypatch):
     torch.testing.assert_close(out, _run_extend(batch, q, scale, tiled=tiled), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 24])
+def test_extend_long_wgmma_runs_gpu(page_size):
+    """The Gluon kernel's producer copies a run of 16 consecutive pool slots as one TMA box and
+    any other run row by row: pages of 1, shuffled, are all row copies; pages of 24 mix the two
+    in every key block (a run that crosses a page boundary is not consecutive)."""
+    device = torch.device("cuda")
+    if not attention_extend_wgmma.supported(device):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    batch, q = _extend_case(4, 128, page_size, torch.bfloat16, device, [0, 300, 1001], [1600, 1700, 40])
+    scale = 128**-0.5
+    torch.testing.assert_close(
+        _run_extend(batch, q, scale, tiled=True), _extend_reference(batch, q, scale), atol=1e-2, rtol=1e-2
+    )
+
+
 def test_gluon_extend_launch_failure_falls_back(monkeypatch, caplog):
     """A Gluon launch that raises (on this machine: no GPU to compile for) returns False with one
     warning, and the kernel stays off, so every long prefill after it runs the Triton kernel
