@@ -6,12 +6,15 @@ Why a second extend kernel: a long prompt's chunks are compute-bound, and the Tr
 key block's QK^T, softmax and PV run one after another (Triton waits for a tensor-core product
 where it is issued). Here a program has three warpgroups:
 
-- a producer gathers each key block's K and V rows through the page table with cp.async (no
-  TMA: a block's rows are scattered) into rings of STAGES slots, K and V apart: a K slot is
-  free again once both consumers' scores are done with it, before their PV products end. The
-  page-table entries of block i + 1 are loaded while block i is copied and reach the copy
-  layout through shared memory, so no L2 round trip stands before a block's copies;
-- two consumers own 64 query rows each, with Q in registers as the scores' left operand (so a
+- a producer gathers each key block's K and V rows through the page table into rings of
+  STAGES slots, K and V apart: a K slot is free again once both consumers' scores are done with
+  it, before their PV products end. A run of RUN rows whose pool slots are consecutive (pages of
+  16 or more; with pages of 1, the ascending runs the allocator hands a prompt) is one TMA box,
+  a bulk copy that costs no thread an instruction per row; other runs are gathered row by row
+  with cp.async. The page-table entries of block i + 1 are loaded while block i is copied and
+  reach the copy layout through shared memory, so no L2 round trip stands before a block's
+  copies;
+- two consumers (attention_extend_wgmma_consumer) own 64 query rows each, with Q in registers as the scores' left operand (so a
   key block crosses shared memory once per consumer). Per block j a consumer issues block j's
   scores and block j - 1's PV product, waits for the scores only, and runs block j's softmax
   while PV is in flight (FlashAttention-3's overlap within a warpgroup); the consumers run at
@@ -39,14 +42,10 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+
+from minfer.kernels.attention_extend_wgmma_consumer import LOAD, TILE, _consumer
 
 log = logging.getLogger(__name__)
 LOG2E = 1.4426950408889634
@@ -64,10 +63,6 @@ RUNS = gl.constexpr(gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0]))  # a bloc
 PRODUCER_THREADS = 128  # one warpgroup: every thread's copies arrive on a `full` barrier
 # The launch's register limit, per thread over all 12 warps; setmaxnreg then moves registers.
 MAXNREG = (2 * CONSUMER_REGS + PRODUCER_REGS) // 3 // 8 * 8
-# Q, K/V tiles in shared memory: the layout wgmma reads, and TMA writes (rows of 128 bytes swizzled)
-TILE = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-# Q, K/V and out tiles in registers: 16 bytes per thread along the head dim.
-LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
 
 _disabled: str | None = None  # why the kernel is off, once a launch of it raised (see the docstring)
@@ -92,129 +87,6 @@ def applies(q: torch.Tensor, k_pool: torch.Tensor, window: int | None) -> bool:
 
 
 @gluon.jit
-def _online_softmax(s, m_i, l_i, sm_scale_log2):
-    """One block's step of the online softmax over raw scores s (base 2, scaled here): the new
-    running max, the factor for what was accumulated before, the block's probabilities and the
-    new running sum."""
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_scaled = m_new * sm_scale_log2
-    alpha = gl.exp2(m_i * sm_scale_log2 - m_scaled)
-    p = gl.exp2(s * sm_scale_log2 - m_scaled[:, None])
-    return m_new, alpha, p, l_i * alpha + gl.sum(p, 1)
-
-
-@gluon.jit
-def _attend_block(
-    j, q_operand, k_buf, v_buf, full, empty, p_prev, acc, m_i, l_i, zeros, unmasked_end, q_pos,
-    key_offs, sm_scale_log2, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-    P_OPERAND: gl.constexpr, O_MMA: gl.constexpr,
-):  # fmt: skip
-    """A consumer's block j >= 1: block j's scores and block j - 1's PV product (probabilities
-    p_prev) are issued, and block j's softmax runs while PV is in flight. Returns block j's
-    probabilities (the next PV operand) and the updated state. Barriers: full/empty[slot] are
-    K's, full/empty[STAGES + slot] V's."""
-    slot = j % STAGES
-    v_slot = (j - 1) % STAGES
-    # V_{j-1} was copied before K_j, so waiting for it first costs nothing; waiting between the
-    # two issues would put a loop (and ptxas's wgmma wait) between them.
-    mbarrier.wait(full.index(STAGES + v_slot), ((j - 1) // STAGES) & 1)
-    mbarrier.wait(full.index(slot), (j // STAGES) & 1)
-    fence_async_shared()  # the copies' writes, before the tensor cores read them
-    s_token = warpgroup_mma(q_operand, k_buf.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
-    acc_token = warpgroup_mma(p_prev, v_buf.index(v_slot), acc, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token,))
-    mbarrier.arrive(empty.index(slot))  # K_j is read
-    # The softmax sits inside the branches: ptxas puts a wgmma wait at the top of its basic
-    # block, so the wait for PV below (in the join block) then comes after the exps it should
-    # overlap, rather than before them (seen in the sm_90 code).
-    if j * BLOCK_N >= unmasked_end:  # a block that reaches the rows' own positions
-        s = gl.where(key_offs[None, :] <= (q_pos - j * BLOCK_N)[:, None], s, float("-inf"))
-        m_new, alpha, p, l_i = _online_softmax(s, m_i, l_i, sm_scale_log2)
-    else:
-        m_new, alpha, p, l_i = _online_softmax(s, m_i, l_i, sm_scale_log2)
-    acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc_token, p_prev))
-    mbarrier.arrive(empty.index(STAGES + v_slot))  # V_{j-1} is read
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
-    p_next = gl.convert_layout(p.to(p_prev.dtype), P_OPERAND)
-    return p_next, acc, m_new, l_i
-
-
-@gluon.jit
-def _consumer(
-    half, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt, stride_qh,
-    stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end,
-    num_blocks, sm_scale_log2, q_staging, k_buf, v_buf, full, empty, slot_buf, run_buf, k_desc,
-    v_desc, kv_col, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
-):  # fmt: skip
-    """One consumer warpgroup: query rows [half * 64, half * 64 + 64) of the program's tile
-    over every key block, written to out."""
-    ROWS: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    # Products: each warp owns 16 rows, so row reductions stay within a warp.
-    S_MMA: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], instr_shape=[16, BLOCK_N, 16])
-    O_MMA: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 1], instr_shape=[16, HEAD_DIM, 16])
-    P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
-
-    first_row = block_m * BLOCK_M + half * ROWS
-    offs_m = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LOAD))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
-    m_mask = offs_m < extend_len
-    q_rows = (q_start + offs_m).to(gl.int64)
-    q_tile = q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
-    q = gl.load(q_tile, mask=m_mask[:, None], other=0.0)
-    # Q into the registers of the scores' left operand, through shared memory.
-    q_staging.store(q)
-    gl.thread_barrier()
-    q_operand = q_staging.load(gl.DotOperandLayout(operand_index=0, parent=S_MMA, k_width=2))
-    q_pos = prefix + first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, S_MMA))
-    key_offs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_MMA))
-    zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, S_MMA)
-
-    # Block 0: scores and softmax; its PV product is issued with block 1's scores.
-    mbarrier.wait(full.index(0), 0)
-    fence_async_shared()
-    s = warpgroup_mma(q_operand, k_buf.index(0).permute((1, 0)), zeros, use_acc=False)
-    mbarrier.arrive(empty.index(0))
-    if unmasked_end == 0:
-        s = gl.where(key_offs[None, :] <= q_pos[:, None], s, float("-inf"))
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, S_MMA))
-    m_i, _, p, l_i = _online_softmax(s, m_i, gl.zeros_like(m_i), sm_scale_log2)
-    p_a = gl.convert_layout(p.to(dtype), P_OPERAND)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_MMA)
-    # Two blocks per trip: the probabilities being written (p_b, then p_a) are another value
-    # than those the PV product in flight reads, where one p carried around the loop ties them
-    # together. Measured (without warp specialization): 466 TFLOP/s against 427 with one.
-    for pair in range(0, (num_blocks - 1) // 2):
-        j = 1 + 2 * pair
-        p_b, acc, m_i, l_i = _attend_block(
-            j, q_operand, k_buf, v_buf, full, empty, p_a, acc, m_i, l_i, zeros, unmasked_end,
-            q_pos, key_offs, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND, O_MMA,
-        )  # fmt: skip
-        p_a, acc, m_i, l_i = _attend_block(
-            j + 1, q_operand, k_buf, v_buf, full, empty, p_b, acc, m_i, l_i, zeros, unmasked_end,
-            q_pos, key_offs, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND, O_MMA,
-        )  # fmt: skip
-    if (num_blocks - 1) % 2 == 1:
-        p_a, acc, m_i, l_i = _attend_block(
-            num_blocks - 1, q_operand, k_buf, v_buf, full, empty, p_a, acc, m_i, l_i, zeros,
-            unmasked_end, q_pos, key_offs, sm_scale_log2, STAGES, BLOCK_N, P_OPERAND, O_MMA,
-        )  # fmt: skip
-    # The last block's PV product (the producer is done: no slot needs freeing).
-    last = num_blocks - 1
-    mbarrier.wait(full.index(STAGES + last % STAGES), (last // STAGES) & 1)
-    fence_async_shared()
-    acc = warpgroup_mma(p_a, v_buf.index(last % STAGES), acc)
-
-    o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_MMA))[:, None]
-    # Out through the Q tile, free now: a layout conversion would need 16 KB of shared memory.
-    q_staging.store(o.to(out_ptr.dtype.element_ty))
-    gl.thread_barrier()
-    out_tile = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    gl.store(out_tile, q_staging.load(LOAD), mask=m_mask[:, None])
-
-
-@gluon.jit
 def _producer(
     half, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt, stride_qh,
     stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end,
@@ -231,7 +103,7 @@ def _producer(
         gl.arange(0, GROUPS, layout=gl.SliceLayout(1, RUNS))[:, None] * RUN
         + gl.arange(0, RUN, layout=gl.SliceLayout(0, RUNS))[None, :]
     )
-    _store_runs(gl.load(page_row + offs_n, mask=offs_n < end, other=0), 0, end, offs_n, slot_buf.index(0), run_buf.index(0))
+    _store_runs(gl.load(page_row + offs_n, mask=offs_n < end, other=0), 0, end, offs_n, slot_buf, run_buf, 0)
     gl.thread_barrier()
     for i in range(num_blocks):
         slot = i % STAGES
@@ -245,19 +117,20 @@ def _producer(
         mbarrier.wait(empty.index(STAGES + slot), phase)
         _fill(v_buf.index(slot), v_desc, full.index(STAGES + slot), v_head, stride_vs, kv_col, slots,
               starts, i * BLOCK_N, rows, offs_d, end, HEAD_DIM, BLOCK_N)  # fmt: skip
-        _store_runs(next_slots, (i + 1) * BLOCK_N, end, offs_n, slot_buf.index((i + 1) % 2), run_buf.index((i + 1) % 2))
+        _store_runs(next_slots, (i + 1) * BLOCK_N, end, offs_n, slot_buf, run_buf, (i + 1) % 2)
         gl.thread_barrier()  # every thread's entries, before any thread reads them
 
 
 @gluon.jit
-def _store_runs(entries, first, end, offs_n, slots, starts):
-    """A block's page-table entries into `slots`, and for each run of RUN rows the pool slot it
-    starts at into `starts` where its slots are consecutive and all its rows are keys, else -1."""
-    slots.store(gl.reshape(entries, [entries.numel]))
+def _store_runs(entries, first, end, offs_n, slot_buf, run_buf, which):
+    """A block's page-table entries into slot_buf[which], and into run_buf[which] for each run
+    of RUN rows the pool slot it starts at, where its slots are consecutive and all its rows are
+    keys, else -1."""
+    slot_buf.index(which).store(gl.reshape(entries, [entries.numel]))
     step = entries - offs_n  # the same value along a run iff its slots are consecutive
     low, high = gl.min(step, 1), gl.max(step, 1)
     whole = first + offs_n.max(1) < end
-    starts.store(gl.where((low == high) & whole, low + offs_n.min(1), -1))
+    run_buf.index(which).store(gl.where((low == high) & whole, low + offs_n.min(1), -1))
 
 
 @gluon.jit
@@ -277,7 +150,8 @@ def _fill(buf, desc, bar, head_ptr, stride, col, slots, starts, first, rows, off
             tma.async_copy_global_to_shared(desc, [start, col], bar, buf.slice(g * RUN, RUN))
         else:
             mbarrier.arrive(bar)
-            _copy_rows(buf.slice(g * RUN, RUN), head_ptr, stride, slots.slice(g * RUN, RUN), first + g * RUN, rows, offs_d, end)
+            rows_g, slots_g = buf.slice(g * RUN, RUN), slots.slice(g * RUN, RUN)
+            _copy_rows(rows_g, head_ptr, stride, slots_g, first + g * RUN, rows, offs_d, end)
     async_copy.mbarrier_arrive(bar, increment_count=False)  # once this thread's copies have landed
 
 
@@ -323,7 +197,9 @@ def _extend_wgmma_kernel(
         full = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         slot_buf = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        run_buf = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N // RUN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        run_buf = gl.allocate_shared_memory(
+            gl.int32, [2, BLOCK_N // RUN], gl.SwizzledSharedLayout(1, 1, 1, [0])
+        )
         for i in gl.static_range(2 * STAGES):
             # an arrival per producer thread (its cp.async copies) and per run (its TMA box or none)
             mbarrier.init(full.index(i), count=PRODUCER_THREADS + BLOCK_N // RUN)
@@ -365,7 +241,9 @@ def _run_descriptor(pool: torch.Tensor) -> TensorDescriptor:
     slots, kv_heads, head_dim = pool.shape
     if pool.stride(2) != 1 or pool.stride(1) != head_dim:
         raise ValueError("the Gluon extend kernel needs each slot's heads contiguous in the pool")
-    return TensorDescriptor(pool, [slots, kv_heads * head_dim], [pool.stride(0), 1], [RUN.value, head_dim], TILE.value)
+    return TensorDescriptor(
+        pool, [slots, kv_heads * head_dim], [pool.stride(0), 1], [RUN.value, head_dim], TILE.value
+    )
 
 
 def extend_attention_wgmma(
