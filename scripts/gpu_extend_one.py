@@ -14,8 +14,8 @@ K/V traffic: the consumers' ceiling), `zero-fill` (cp.async only, and every copy
 fill reads nothing and writes zeros: shared-memory writes without L2 reads) and `cp-async` (every
 run gathered row by row with cp.async, none by TMA: the kernel before TMA runs).
 
-`--page-size` sets the pool's pages (shuffled): 16 and up puts every run of 16 keys in one TMA
-box, 1 none.
+`--page-size` sets the pool's pages (shuffled): with pages of 128 or more every full key block is
+one TMA box, with fewer none is.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from minfer.kernels.attention_extend import extend_attention
 
 # Diagnostic builds of attention_extend_wgmma: (text, replacement) pairs applied to its source.
 _FIRST_FILL = f"first < {attention_extend_wgmma.CONFIG[1] * attention_extend_wgmma.CONFIG[2]}"  # i < STAGES
-_TMA = "        if start >= 0:\n"
+_TMA = "    if start >= 0:\n"
 VARIANTS = {
-    "no-copies": [(_TMA, f"        if not ({_FIRST_FILL}):\n            mbarrier.arrive(bar)\n        elif start >= 0:\n")],
+    "no-copies": [(_TMA, f"    if not ({_FIRST_FILL}):\n        mbarrier.arrive(bar)\n    elif start >= 0:\n")],
     "zero-fill": [("mask=(first + rows < end)[:, None])", f"mask=((first + rows < end) & ({_FIRST_FILL}))[:, None])"),
-                  (_TMA, "        if False:\n")],
-    "cp-async": [(_TMA, "        if False:\n")],
+                  (_TMA, "    if False:\n")],
+    "cp-async": [(_TMA, "    if False:\n")],
 }  # fmt: skip
 
 

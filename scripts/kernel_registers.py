@@ -67,7 +67,7 @@ def arg_type(name: str, pool: str) -> str:
     if name in ("k_ptr", "v_ptr"):
         return "*" + pool
     if name in ("k_desc", "v_desc"):  # the Gluon kernel's TMA descriptors over the pools
-        box = attention_extend_wgmma.RUN.value, 128
+        box = attention_extend_wgmma.CONFIG[1], 128
         return f"tensordesc<{pool}[{box[0]}, {box[1]}],{attention_extend_wgmma.TILE.value!r}>"
     if name.endswith("scale_ptr") or name in ("part_out_ptr", "part_lse_ptr"):
         return "*fp32"

@@ -8,10 +8,10 @@ where it is issued). Here a program has three warpgroups:
 
 - a producer gathers each key block's K and V rows through the page table into rings of
   STAGES slots, K and V apart: a K slot is free again once both consumers' scores are done with
-  it, before their PV products end. A run of RUN rows whose pool slots are consecutive (pages of
-  16 or more; with pages of 1, the ascending runs the allocator hands a prompt) is one TMA box,
-  a bulk copy that costs no thread an instruction per row; other runs are gathered row by row
-  with cp.async. The page-table entries of block i + 1 are loaded while block i is copied and
+  it, before their PV products end. A block whose pool slots are consecutive (with pages of 1,
+  as the allocator hands a prompt its slots, in ascending runs; or pages of BLOCK_N or more) is
+  one TMA box, a bulk copy that costs no thread an instruction per row; other blocks are
+  gathered row by row with cp.async. The page-table entries of block i + 1 are loaded while block i is copied and
   reach the copy layout through shared memory, so no L2 round trip stands before a block's
   copies;
 - two consumers (attention_extend_wgmma_consumer) own 64 query rows each, with Q in registers as the scores' left operand (so a
@@ -56,10 +56,7 @@ LOG2E = 1.4426950408889634
 CONFIG = (128, 128, 3)
 CONSUMER_REGS = 240  # per thread; 2 x 128 x 240 + 128 x 32 fills the 64K-register file
 PRODUCER_REGS = 32
-# Key rows per TMA box: a run of consecutive pool slots (pages of 16 or more; with pages of 1, a
-# prompt's slots as the allocator hands them out, in ascending runs) is one bulk copy.
-RUN = gl.constexpr(16)
-RUNS = gl.constexpr(gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0]))  # a block's entries, a run a row
+COPY_ROWS = gl.constexpr(32)  # rows of a block one cp.async copy covers: few pointers live at once
 PRODUCER_THREADS = 128  # one warpgroup: every thread's copies arrive on a `full` barrier
 # The launch's register limit, per thread over all 12 warps; setmaxnreg then moves registers.
 MAXNREG = (2 * CONSUMER_REGS + PRODUCER_REGS) // 3 // 8 * 8
@@ -90,74 +87,69 @@ def applies(q: torch.Tensor, k_pool: torch.Tensor, window: int | None) -> bool:
 def _producer(
     half, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt, stride_qh,
     stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end,
-    num_blocks, sm_scale_log2, q_staging, k_buf, v_buf, full, empty, slot_buf, run_buf, k_desc,
-    v_desc, kv_col, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    num_blocks, sm_scale_log2, q_staging, k_buf, v_buf, full, empty, slot_buf, k_desc, v_desc,
+    kv_col, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
 ):  # fmt: skip
     """The producer warpgroup: every key block's K and V rows into ring slot block % STAGES,
     once both consumers have read what the slot held before."""
-    GROUPS: gl.constexpr = BLOCK_N // RUN
-    rows = gl.arange(0, RUN, layout=gl.SliceLayout(1, LOAD))
+    ONE_EACH: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # a page-table entry a thread
+    rows = gl.arange(0, COPY_ROWS, layout=gl.SliceLayout(1, LOAD))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
-    offs_n = (
-        gl.arange(0, GROUPS, layout=gl.SliceLayout(1, RUNS))[:, None] * RUN
-        + gl.arange(0, RUN, layout=gl.SliceLayout(0, RUNS))[None, :]
-    )
-    _store_runs(gl.load(page_row + offs_n, mask=offs_n < end, other=0), 0, end, offs_n, slot_buf, run_buf, 0)
+    offs_n = gl.arange(0, BLOCK_N, layout=ONE_EACH)
+    entries = gl.load(page_row + offs_n, mask=offs_n < end, other=0)
+    slot_buf.index(0).store(entries)
+    run = _run_start(entries, 0, end, offs_n)
     gl.thread_barrier()
     for i in range(num_blocks):
         slot = i % STAGES
         phase = ((i // STAGES) & 1) ^ 1  # a fresh mbarrier counts its phase before 0 as complete
         next_pos = (i + 1) * BLOCK_N + offs_n
         next_slots = gl.load(page_row + next_pos, mask=next_pos < end, other=0)  # in flight meanwhile
-        slots, starts = slot_buf.index(i % 2), run_buf.index(i % 2)
+        slots = slot_buf.index(i % 2)
         mbarrier.wait(empty.index(slot), phase)
-        _fill(k_buf.index(slot), k_desc, full.index(slot), k_head, stride_ks, kv_col, slots, starts,
-              i * BLOCK_N, rows, offs_d, end, HEAD_DIM, BLOCK_N)  # fmt: skip
+        _fill(k_buf.index(slot), k_desc, full.index(slot), k_head, stride_ks, kv_col, slots, run,
+              i * BLOCK_N, rows, offs_d, end, BLOCK_N)  # fmt: skip
         mbarrier.wait(empty.index(STAGES + slot), phase)
         _fill(v_buf.index(slot), v_desc, full.index(STAGES + slot), v_head, stride_vs, kv_col, slots,
-              starts, i * BLOCK_N, rows, offs_d, end, HEAD_DIM, BLOCK_N)  # fmt: skip
-        _store_runs(next_slots, (i + 1) * BLOCK_N, end, offs_n, slot_buf, run_buf, (i + 1) % 2)
+              run, i * BLOCK_N, rows, offs_d, end, BLOCK_N)  # fmt: skip
+        slot_buf.index((i + 1) % 2).store(next_slots)
+        run = _run_start(next_slots, (i + 1) * BLOCK_N, end, offs_n)
         gl.thread_barrier()  # every thread's entries, before any thread reads them
 
 
 @gluon.jit
-def _store_runs(entries, first, end, offs_n, slot_buf, run_buf, which):
-    """A block's page-table entries into slot_buf[which], and into run_buf[which] for each run
-    of RUN rows the pool slot it starts at, where its slots are consecutive and all its rows are
-    keys, else -1."""
-    slot_buf.index(which).store(gl.reshape(entries, [entries.numel]))
-    step = entries - offs_n  # the same value along a run iff its slots are consecutive
-    low, high = gl.min(step, 1), gl.max(step, 1)
-    whole = first + offs_n.max(1) < end
-    run_buf.index(which).store(gl.where((low == high) & whole, low + offs_n.min(1), -1))
+def _run_start(entries, first, end, offs_n):
+    """The pool slot a key block's rows start at if their slots are consecutive and all of them
+    are keys (one TMA box then copies the block), else -1."""
+    step = entries - offs_n  # the same value for every row iff the slots are consecutive
+    low = gl.min(step, 0)
+    whole = first + entries.numel <= end
+    return gl.where((low == gl.max(step, 0)) & whole, low, -1)
 
 
 @gluon.jit
-def _fill(buf, desc, bar, head_ptr, stride, col, slots, starts, first, rows, offs_d, end,
-          HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """A block's K (or V) rows into ring slot `buf`: a run of consecutive pool slots as one TMA
-    box (a copy engine's bulk transfer, no thread's instructions per row), any other run row by
-    row with cp.async. `bar` counts one arrival per run and one per producer thread."""
-    GROUPS: gl.constexpr = BLOCK_N // RUN
-    EVERY_THREAD: gl.constexpr = gl.BlockedLayout([GROUPS], [32], [4], [0])  # all of them, in each thread
-    run_starts = starts.load(EVERY_THREAD)
-    groups = gl.arange(0, GROUPS, layout=EVERY_THREAD)
-    for g in gl.static_range(GROUPS):
-        start = gl.max(gl.where(groups == g, run_starts, -1), 0)  # within the thread: no shuffles
-        if start >= 0:
-            mbarrier.expect(bar, RUN * HEAD_DIM * 2)
-            tma.async_copy_global_to_shared(desc, [start, col], bar, buf.slice(g * RUN, RUN))
-        else:
-            mbarrier.arrive(bar)
-            rows_g, slots_g = buf.slice(g * RUN, RUN), slots.slice(g * RUN, RUN)
-            _copy_rows(rows_g, head_ptr, stride, slots_g, first + g * RUN, rows, offs_d, end)
+def _fill(
+    buf, desc, bar, head_ptr, stride, col, slots, start, first, rows, offs_d, end, BLOCK_N: gl.constexpr
+):
+    """A key block's K (or V) rows into ring slot `buf`: one TMA box when the block's pool slots
+    are consecutive (`start` >= 0; a copy engine moves it, with no instructions per row), else
+    gathered row by row with cp.async. `bar` counts one arrival per producer thread and one for
+    the box or its absence."""
+    if start >= 0:
+        mbarrier.expect(bar, BLOCK_N * desc.block_type.shape[1] * 2)  # bf16 or fp16
+        tma.async_copy_global_to_shared(desc, [start, col], bar, buf)
+    else:
+        mbarrier.arrive(bar)
+        for r in gl.static_range(0, BLOCK_N, COPY_ROWS):
+            _copy_rows(buf.slice(r, COPY_ROWS), head_ptr, stride, slots.slice(r, COPY_ROWS), first + r,
+                       rows, offs_d, end)  # fmt: skip
     async_copy.mbarrier_arrive(bar, increment_count=False)  # once this thread's copies have landed
 
 
 @gluon.jit
 def _copy_rows(buf, head_ptr, stride, slots, first, rows, offs_d, end):
-    """The RUN key rows from position `first` on into buf by their page-table entries `slots`
+    """COPY_ROWS key rows from position `first` on into buf by their page-table entries `slots`
     (rows past the keys: zeros)."""
     entries = slots.load(gl.SliceLayout(1, LOAD)).to(gl.int64)[:, None]
     src = head_ptr + entries * stride + offs_d[None, :]
@@ -197,12 +189,9 @@ def _extend_wgmma_kernel(
         full = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         slot_buf = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        run_buf = gl.allocate_shared_memory(
-            gl.int32, [2, BLOCK_N // RUN], gl.SwizzledSharedLayout(1, 1, 1, [0])
-        )
         for i in gl.static_range(2 * STAGES):
-            # an arrival per producer thread (its cp.async copies) and per run (its TMA box or none)
-            mbarrier.init(full.index(i), count=PRODUCER_THREADS + BLOCK_N // RUN)
+            # an arrival per producer thread (its cp.async copies) and one for the TMA box or none
+            mbarrier.init(full.index(i), count=PRODUCER_THREADS + 1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
 
         page_row = page_table_ptr + row * stride_page_row
@@ -220,29 +209,29 @@ def _extend_wgmma_kernel(
                 (_consumer, (0, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
                     stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end,
                     unmasked_end, num_blocks, sm_scale_log2, q_staging.index(0), k_buf, v_buf, full,
-                    empty, slot_buf, run_buf, k_desc, v_desc, kv_col, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                    empty, slot_buf, k_desc, v_desc, kv_col, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
                 (_consumer, (1, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
                     stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end,
                     unmasked_end, num_blocks, sm_scale_log2, q_staging.index(1), k_buf, v_buf, full,
-                    empty, slot_buf, run_buf, k_desc, v_desc, kv_col, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                    empty, slot_buf, k_desc, v_desc, kv_col, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
                 (_producer, (2, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt,
                     stride_qh, stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end,
                     unmasked_end, num_blocks, sm_scale_log2, q_staging.index(0), k_buf, v_buf, full,
-                    empty, slot_buf, run_buf, k_desc, v_desc, kv_col, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                    empty, slot_buf, k_desc, v_desc, kv_col, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
             ],
             [4, PRODUCER_THREADS // 32],
             [CONSUMER_REGS, PRODUCER_REGS],
         )  # fmt: skip
 
 
-def _run_descriptor(pool: torch.Tensor) -> TensorDescriptor:
+def _block_descriptor(pool: torch.Tensor, block_n: int) -> TensorDescriptor:
     """A TMA descriptor over a K or V pool seen as [slots, kv heads x head dim], whose box is a
-    run of RUN slots of one head."""
+    key block's rows (block_n consecutive slots) of one head."""
     slots, kv_heads, head_dim = pool.shape
     if pool.stride(2) != 1 or pool.stride(1) != head_dim:
         raise ValueError("the Gluon extend kernel needs each slot's heads contiguous in the pool")
     return TensorDescriptor(
-        pool, [slots, kv_heads * head_dim], [pool.stride(0), 1], [RUN.value, head_dim], TILE.value
+        pool, [slots, kv_heads * head_dim], [pool.stride(0), 1], [block_n, head_dim], TILE.value
     )
 
 
@@ -259,7 +248,7 @@ def extend_attention_wgmma(
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_m, block_n, stages = CONFIG
     try:  # a compile or launch error is raised here, before any work runs
-        k_desc, v_desc = _run_descriptor(k_pool), _run_descriptor(v_pool)
+        k_desc, v_desc = _block_descriptor(k_pool, block_n), _block_descriptor(v_pool, block_n)
         _extend_wgmma_kernel[grid](
             q, k_pool, v_pool, k_desc, v_desc, out, page_table, table_idx, prefix_lens, seq_lens, cu_extend_lens,
             tiles if tiles is not None else seq_lens, scale * LOG2E, q.stride(0), q.stride(1),

@@ -72,8 +72,8 @@ def _attend_block(
 def _consumer(
     half, q_ptr, out_ptr, q_start, extend_len, block_m, head, prefix, stride_qt, stride_qh,
     stride_ot, stride_oh, page_row, k_head, v_head, stride_ks, stride_vs, end, unmasked_end,
-    num_blocks, sm_scale_log2, q_staging, k_buf, v_buf, full, empty, slot_buf, run_buf, k_desc,
-    v_desc, kv_col, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    num_blocks, sm_scale_log2, q_staging, k_buf, v_buf, full, empty, slot_buf, k_desc, v_desc,
+    kv_col, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
 ):  # fmt: skip
     """One consumer warpgroup: query rows [half * 64, half * 64 + 64) of the program's tile

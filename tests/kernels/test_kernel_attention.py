@@ -267,11 +267,11 @@ def test_extend_long_wgmma_gpu(dtype, tiled, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [1, 24])
+@pytest.mark.parametrize("page_size", [1, 128])
 def test_extend_long_wgmma_runs_gpu(page_size):
-    """The Gluon kernel's producer copies a run of 16 consecutive pool slots as one TMA box and
-    any other run row by row: pages of 1, shuffled, are all row copies; pages of 24 mix the two
-    in every key block (a run that crosses a page boundary is not consecutive)."""
+    """The Gluon kernel's producer copies a key block whose pool slots are consecutive as one TMA
+    box and any other block row by row: pages of 1, shuffled, are all row copies; pages of 128
+    make every full block one box, and the last block of each request (partial) row copies."""
     device = torch.device("cuda")
     if not attention_extend_wgmma.supported(device):
         pytest.skip("the Gluon kernel needs an sm_90 GPU")
