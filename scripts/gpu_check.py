@@ -598,15 +598,20 @@ def qwen3_sweep() -> None:
     force_extend_config(None)
 
 
-def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192, quick: bool = False) -> None:
+def extend_long_sweep(
+    prompt_len: int = 32768, chunk: int = 8192, quick: bool = False, page_size: int = PAGE_SIZE
+) -> None:
     """Extend attention over one long prompt in prefill chunks (Llama-8B heads), as chunked
     prefill runs it: the chunk at prefix P computes `chunk` queries over P + its own keys.
     Launch configurations and the heavy-first block order are timed against the causal FLOPs
     of all chunks; each is checked against the default's output, and the default against the
     torch reference on the first chunk. `quick`: the default configuration alone (for A/B
-    runs of a kernel change), without the crossover table."""
+    runs of a kernel change), without the crossover table. `page_size`: the pool's pages,
+    shuffled; with 128 or more every full key block's slots are consecutive, as the engine's
+    allocator gives a prompt's (pages of 1 handed out in ascending runs), which the Gluon
+    kernel copies by TMA."""
     chunks = [
-        (prefix, *extend_problem("llama-8b", [prefix], [chunk], prefix))
+        (prefix, *extend_problem("llama-8b", [prefix], [chunk], prefix, page_size=page_size))
         for prefix in range(0, prompt_len, chunk)
     ]
     reference = extend_reference(chunks[0][1])
@@ -617,8 +622,8 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192, quick: bool = 
     expected = [extend_attention(*args) for _, args, _ in chunks]
     total_flop = sum(flop for _, _, flop in chunks)
     print(
-        f"\n== extend attention, one {prompt_len}-token prompt in {chunk}-token chunks (llama-8b heads): "
-        f"us per chunk, TFLOP/s of all chunks (floor 790) ==",
+        f"\n== extend attention, one {prompt_len}-token prompt in {chunk}-token chunks (llama-8b heads, "
+        f"pages of {page_size}): us per chunk, TFLOP/s of all chunks (floor 790) ==",
         flush=True,
     )
     long = attention_extend.LONG_CONFIG[:4]
@@ -676,7 +681,7 @@ def extend_long_sweep(prompt_len: int = 32768, chunk: int = 8192, quick: bool = 
     long_from, wgmma_default = attention_extend.LONG_EXTEND, attention_extend_wgmma.CONFIG
     for extend in (512, 1024, 1536, 2048, 4096):
         count = chunk // extend
-        args, flop = extend_problem("llama-8b", [0] * count, [extend] * count, extend)
+        args, flop = extend_problem("llama-8b", [0] * count, [extend] * count, extend, page_size=page_size)
         line = []
         for name, config, gluon in (
             ("short", attention_extend.SHORT_CONFIGS["bf16"], None),
@@ -838,6 +843,12 @@ def main() -> None:
     parser.add_argument(
         "--extend-long", action="store_true", help="only extend attention over one long prompt"
     )
+    parser.add_argument(
+        "--page-size",
+        type=int,
+        default=PAGE_SIZE,
+        help="--extend-long: the pool's page size (pages shuffled)",
+    )
     parser.add_argument("--gemm-models", nargs="*", help="only these models' GEMMs (default: all)")
     parser.add_argument("--gemm-sweep-rows", nargs="*", type=int, help="sweep at these row counts")
     opts = parser.parse_args()
@@ -846,7 +857,7 @@ def main() -> None:
     )
     start = time.time()
     if opts.extend_long:
-        extend_long_sweep(quick=opts.quick)
+        extend_long_sweep(quick=opts.quick, page_size=opts.page_size)
         if failures:
             print("FAILURES:", *failures, sep="\n  ")
             sys.exit(1)
