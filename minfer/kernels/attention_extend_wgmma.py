@@ -79,6 +79,8 @@ def applies(q: torch.Tensor, k_pool: torch.Tensor, window: int | None) -> bool:
         and q.shape[-1] == 128
         and q.dtype in (torch.bfloat16, torch.float16)
         and k_pool.dtype == q.dtype
+        and k_pool.stride(2) == 1
+        and k_pool.stride(1) == 128  # a slot's heads side by side: the TMA descriptors' view
         and supported(q.device)
     )
 
@@ -227,9 +229,7 @@ def _extend_wgmma_kernel(
 def _block_descriptor(pool: torch.Tensor, block_n: int) -> TensorDescriptor:
     """A TMA descriptor over a K or V pool seen as [slots, kv heads x head dim], whose box is a
     key block's rows (block_n consecutive slots) of one head."""
-    slots, kv_heads, head_dim = pool.shape
-    if pool.stride(2) != 1 or pool.stride(1) != head_dim:
-        raise ValueError("the Gluon extend kernel needs each slot's heads contiguous in the pool")
+    slots, kv_heads, head_dim = pool.shape  # (`applies` checked that a slot's heads are contiguous)
     return TensorDescriptor(
         pool, [slots, kv_heads * head_dim], [pool.stride(0), 1], [block_n, head_dim], TILE.value
     )
