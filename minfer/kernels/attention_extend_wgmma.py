@@ -95,12 +95,10 @@ def _producer(
 ):  # fmt: skip
     """The producer warpgroup: every key block's K and V rows into ring slot block % STAGES,
     once both consumers have read what the slot held before."""
-    # Every warp holds all of a block's page-table entries, so the run check's reductions stay
-    # within a warp (shuffles; across warps they would cost shared memory and barriers).
-    EVERY_WARP: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [4], [0])
+    ONE_EACH: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # a page-table entry a thread
     rows = gl.arange(0, COPY_ROWS, layout=gl.SliceLayout(1, LOAD))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
-    offs_n = gl.arange(0, BLOCK_N, layout=EVERY_WARP)
+    offs_n = gl.arange(0, BLOCK_N, layout=ONE_EACH)
     entries = gl.load(page_row + offs_n, mask=offs_n < end, other=0)
     slot_buf.index(0).store(entries)
     run = _run_start(entries, 0, end, offs_n)
@@ -138,16 +136,20 @@ def _fill(
 ):
     """A key block's K (or V) rows into ring slot `buf`: one TMA box when the block's pool slots
     are consecutive (`start` >= 0; a copy engine moves it, with no instructions per row), else
-    gathered row by row with cp.async. Either way `bar` sees one arrival per producer thread."""
+    gathered row by row with cp.async. `bar` counts one arrival per producer thread and one for
+    the box or its absence."""
     if start >= 0:
-        mbarrier.expect(bar, BLOCK_N * desc.block_type.shape[1] * 2)  # an arrival, and bf16/fp16 bytes
+        mbarrier.expect(bar, BLOCK_N * desc.block_type.shape[1] * 2)  # bf16 or fp16
         tma.async_copy_global_to_shared(desc, [start, col], bar, buf)
-        mbarrier.arrive(bar, count=gl.num_warps() * 32 - 1)  # the other threads', at once
-    else:  # the arrivals only where an arrival costs no barrier: the gather's speed as before TMA
+    else:
+        # This arrival costs the gather a barrier before and after it: 8% of the kernel on an
+        # H100 where no block is consecutive. The fix (docs/PERFORMANCE.md section 30: count
+        # PRODUCER_THREADS, and a box arrives for the other threads) awaits a GPU run.
+        mbarrier.arrive(bar)
         for r in gl.static_range(0, BLOCK_N, COPY_ROWS):
             _copy_rows(buf.slice(r, COPY_ROWS), head_ptr, stride, slots.slice(r, COPY_ROWS), first + r,
                        rows, offs_d, end)  # fmt: skip
-        async_copy.mbarrier_arrive(bar, increment_count=False)  # once this thread's copies have landed
+    async_copy.mbarrier_arrive(bar, increment_count=False)  # once this thread's copies have landed
 
 
 @gluon.jit
@@ -193,7 +195,8 @@ def _extend_wgmma_kernel(
         empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         slot_buf = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(2 * STAGES):
-            mbarrier.init(full.index(i), count=PRODUCER_THREADS)  # see _fill
+            # an arrival per producer thread (its cp.async copies) and one for the TMA box or none
+            mbarrier.init(full.index(i), count=PRODUCER_THREADS + 1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
 
         page_row = page_table_ptr + row * stride_page_row
