@@ -6,25 +6,25 @@ Why a second extend kernel: a long prompt's chunks are compute-bound, and the Tr
 key block's QK^T, softmax and PV run one after another (Triton waits for a tensor-core product
 where it is issued). Here a program has three warpgroups:
 
-- a producer gathers each key block's K and V rows through the page table into rings of
-  STAGES slots, K and V apart: a K slot is free again once both consumers' scores are done with
-  it, before their PV products end. A block whose pool slots are consecutive (with pages of 1,
-  as the allocator hands a prompt its slots, in ascending runs; or pages of BLOCK_N or more) is
-  one TMA box, a bulk copy that costs no thread an instruction per row; other blocks are
-  gathered row by row with cp.async. The page-table entries of block i + 1 are loaded while block i is copied and
-  reach the copy layout through shared memory, so no L2 round trip stands before a block's
-  copies;
-- two consumers (attention_extend_wgmma_consumer) own 64 query rows each, with Q in registers as the scores' left operand (so a
-  key block crosses shared memory once per consumer). Per block j a consumer issues block j's
-  scores and block j - 1's PV product, waits for the scores only, and runs block j's softmax
-  while PV is in flight (FlashAttention-3's overlap within a warpgroup); the consumers run at
-  their own pace, with no barrier between them.
+- a producer fills rings of STAGES slots with each key block's K and V rows, K and V apart: a
+  K slot is free again once both consumers' scores are done with it, before their PV products
+  end. A block whose pool slots are consecutive (with pages of 1, as the allocator hands a
+  prompt its slots, in ascending runs; or pages of BLOCK_N or more) is one TMA box, a bulk copy
+  that costs no thread an instruction per row; other blocks are gathered row by row through
+  the page table with cp.async. Block i + 1's page-table entries are loaded while block i is
+  copied and reach the copy layout through shared memory, so no L2 round trip stands before a
+  block's copies;
+- two consumers (attention_extend_wgmma_consumer) own 64 query rows each, with Q in registers
+  as the scores' left operand (so a key block crosses shared memory once per consumer). Per
+  block j a consumer issues block j's scores and block j - 1's PV product, waits for the
+  scores only, and runs block j's softmax while PV is in flight (FlashAttention-3's overlap
+  within a warpgroup); the consumers run at their own pace, with no barrier between them.
 
 Registers are moved to the consumers (setmaxnreg: 240 each, the producer 32).
 
-Measured on an H100 (docs/BENCHMARKS.md, twenty-seventh and twenty-eighth sessions, with the
-variants that did not pay): an 8k chunk over a 16k prefix (Llama-8B heads) at 507 TFLOP/s
-against the Triton kernel's 436.
+Measured on an H100 (docs/BENCHMARKS.md, twenty-seventh to twenty-ninth sessions, with the
+variants that did not pay): an 8k chunk over a 16k prefix (Llama-8B heads) at 634 TFLOP/s with
+every block one box, 460 with every block gathered, against the Triton kernel's 434.
 
 Scope: the engine's long launches only (attention_extend.launch_config's LONG_CONFIG case):
 bf16 or fp16 pools with 128-dim heads, no sliding window, compute capability 9.x (wgmma and
