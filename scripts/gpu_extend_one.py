@@ -4,15 +4,16 @@
         --section WarpStateStats python3 scripts/gpu_extend_one.py
 
 Llama-8B heads (32 q, 8 kv, 128 dims), an 8,192-token chunk over a 16,384-token prefix (pages of
-16 by default, shuffled), as chunked prefill runs the third chunk of a 32k prompt. The Triton kernel runs
-first (`_extend_kernel`), then the Gluon one (`_extend_wgmma_kernel`), `--launches` times each.
+16 by default, shuffled), as chunked prefill runs the third chunk of a 32k prompt. The Triton
+kernel runs first (`_extend_kernel`), then the Gluon one (`_extend_wgmma_kernel`), `--launches`
+times each.
 
 `--variants` times diagnostic builds of the Gluon kernel, made by patching its source (each
 patch must match the source exactly once, so a stale patch fails loudly): `no-copies` (the
 producer fills the ring once and then only signals, so the consumers compute on real data with no
 K/V traffic: the consumers' ceiling), `zero-fill` (cp.async only, and every copy after the first
 fill reads nothing and writes zeros: shared-memory writes without L2 reads) and `cp-async` (every
-run gathered row by row with cp.async, none by TMA: the kernel before TMA runs).
+block gathered row by row with cp.async, none by TMA: the kernel as before TMA).
 
 `--page-size` sets the pool's pages (shuffled): with pages of 128 or more every full key block is
 one TMA box, with fewer none is.

@@ -80,7 +80,7 @@ def applies(q: torch.Tensor, k_pool: torch.Tensor, window: int | None) -> bool:
         and q.dtype in (torch.bfloat16, torch.float16)
         and k_pool.dtype == q.dtype
         and k_pool.stride(2) == 1
-        and k_pool.stride(1) == 128  # a slot's heads side by side: the TMA descriptors' view
+        and k_pool.stride(1) == q.shape[-1]  # a slot's heads side by side: the TMA descriptors' view
         and supported(q.device)
     )
 
