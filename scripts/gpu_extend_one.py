@@ -39,7 +39,7 @@ from minfer.kernels.attention_extend import extend_attention
 _FIRST_FILL = f"first < {attention_extend_wgmma.CONFIG[1] * attention_extend_wgmma.CONFIG[2]}"  # i < STAGES
 _TMA = "    if start >= 0:\n"
 VARIANTS = {
-    "no-copies": [(_TMA, f"    if not ({_FIRST_FILL}):\n        mbarrier.arrive(bar)\n    elif start >= 0:\n")],
+    "no-copies": [(_TMA, f"    if not ({_FIRST_FILL}):\n        mbarrier.arrive(bar, count=gl.num_warps() * 32)\n    elif start >= 0:\n")],
     "zero-fill": [("mask=(first + rows < end)[:, None])", f"mask=((first + rows < end) & ({_FIRST_FILL}))[:, None])"),
                   (_TMA, "    if False:\n")],
     "cp-async": [(_TMA, "    if False:\n")],

@@ -22,9 +22,9 @@ where it is issued). Here a program has three warpgroups:
 
 Registers are moved to the consumers (setmaxnreg: 240 each, the producer 32).
 
-Measured on an H100 (docs/BENCHMARKS.md, twenty-seventh to twenty-ninth sessions, with the
+Measured on an H100 (docs/BENCHMARKS.md, twenty-seventh to thirtieth sessions, with the
 variants that did not pay): an 8k chunk over a 16k prefix (Llama-8B heads) at 634 TFLOP/s with
-every block one box, 460 with every block gathered, against the Triton kernel's 434.
+every block one box, ~470 with every block gathered, against the Triton kernel's 434.
 
 Scope: the engine's long launches only (attention_extend.launch_config's LONG_CONFIG case):
 bf16 or fp16 pools with 128-dim heads, no sliding window, compute capability 9.x (wgmma and
@@ -95,10 +95,12 @@ def _producer(
 ):  # fmt: skip
     """The producer warpgroup: every key block's K and V rows into ring slot block % STAGES,
     once both consumers have read what the slot held before."""
-    ONE_EACH: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # a page-table entry a thread
+    # Every warp holds all of a block's page-table entries, so the run check's reductions stay
+    # within a warp (shuffles; across warps they would cost shared memory and barriers).
+    EVERY_WARP: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [4], [0])
     rows = gl.arange(0, COPY_ROWS, layout=gl.SliceLayout(1, LOAD))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
-    offs_n = gl.arange(0, BLOCK_N, layout=ONE_EACH)
+    offs_n = gl.arange(0, BLOCK_N, layout=EVERY_WARP)
     entries = gl.load(page_row + offs_n, mask=offs_n < end, other=0)
     slot_buf.index(0).store(entries)
     run = _run_start(entries, 0, end, offs_n)
@@ -136,20 +138,17 @@ def _fill(
 ):
     """A key block's K (or V) rows into ring slot `buf`: one TMA box when the block's pool slots
     are consecutive (`start` >= 0; a copy engine moves it, with no instructions per row), else
-    gathered row by row with cp.async. `bar` counts one arrival per producer thread and one for
-    the box or its absence."""
+    gathered row by row with cp.async. Either way `bar` sees one arrival per producer thread."""
     if start >= 0:
-        mbarrier.expect(bar, BLOCK_N * desc.block_type.shape[1] * 2)  # bf16 or fp16
+        mbarrier.expect(bar, BLOCK_N * desc.block_type.shape[1] * 2)  # an arrival, and bf16/fp16 bytes
         tma.async_copy_global_to_shared(desc, [start, col], bar, buf)
-    else:
-        # This arrival costs the gather a barrier before and after it: 8% of the kernel on an
-        # H100 where no block is consecutive. The fix (docs/PERFORMANCE.md section 30: count
-        # PRODUCER_THREADS, and a box arrives for the other threads) awaits a GPU run.
-        mbarrier.arrive(bar)
+        # (expect and arrive run on one elected thread: the other producer threads' arrivals)
+        mbarrier.arrive(bar, count=gl.num_warps() * 32 - 1)
+    else:  # no arrival beyond the threads' own, so no barrier around one: the gather as before TMA
         for r in gl.static_range(0, BLOCK_N, COPY_ROWS):
             _copy_rows(buf.slice(r, COPY_ROWS), head_ptr, stride, slots.slice(r, COPY_ROWS), first + r,
                        rows, offs_d, end)  # fmt: skip
-    async_copy.mbarrier_arrive(bar, increment_count=False)  # once this thread's copies have landed
+        async_copy.mbarrier_arrive(bar, increment_count=False)  # once this thread's copies have landed
 
 
 @gluon.jit
@@ -195,8 +194,7 @@ def _extend_wgmma_kernel(
         empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         slot_buf = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(2 * STAGES):
-            # an arrival per producer thread (its cp.async copies) and one for the TMA box or none
-            mbarrier.init(full.index(i), count=PRODUCER_THREADS + 1)
+            mbarrier.init(full.index(i), count=PRODUCER_THREADS)  # see _fill
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
 
         page_row = page_table_ptr + row * stride_page_row
