@@ -103,12 +103,11 @@ async def run(server: Server, prompts: list[str], rounds: int, rng: random.Rando
                 if result != reference[prompt]:
                     failures += 1
                     print(f"MISMATCH {kind} {prompt[:40]!r}: {result!r} != {reference[prompt]!r}")
-        await asyncio.sleep(1.0)  # the given-up requests' aborts reach the scheduler
-        info = server.info()
-        used = info["kv_pool"]["used_pages"]
-        if used or any(info["requests"].values()):
+        try:  # the given-up requests' aborts reach the scheduler a moment later
+            server.wait_idle(timeout=10, pages_free=True)
+        except AssertionError as idle_error:
             failures += 1
-            print(f"NOT IDLE after round {round_ + 1}: {info['requests']} {info['kv_pool']}")
+            print(f"round {round_ + 1}: {idle_error}")
         print(f"round {round_ + 1}: {len(batch)} requests, {compared} answers compared, "
               f"{failures} failures so far", flush=True)  # fmt: skip
     return failures

@@ -93,6 +93,19 @@ class Server:
     def info(self) -> dict:
         return httpx.get(self.url + "/v1/server_info", headers=self.headers, timeout=10).json()
 
+    def wait_idle(self, timeout: float = 10.0, pages_free: bool = False) -> dict:
+        """/v1/server_info once no request is left in any queue (with `pages_free`, also once no
+        KV page is held by a request: the prefix cache may keep some); fails after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.info()
+            idle = not any(info["requests"].values())
+            if idle and (not pages_free or info["kv_pool"]["used_pages"] == 0):
+                return info
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"not idle after {timeout} s: {info['requests']} {info['kv_pool']}")
+            time.sleep(0.05)
+
     def post(self, path: str, body=None, **kwargs) -> httpx.Response:
         """POST `body` as JSON; bytes are sent as they are (for bodies json.dumps refuses: NaN)."""
         if isinstance(body, bytes):

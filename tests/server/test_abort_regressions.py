@@ -59,24 +59,12 @@ def assert_pool_consistent(server: Server) -> None:
     assert pool["used_pages"] >= 0, pool
 
 
-def wait_idle(server: Server, timeout: float = 60.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        reqs = server.info()["requests"]
-        if not any(reqs.values()):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"requests still queued: {server.info()['requests']}")
-
-
 def test_mass_abort_of_n_times_prompts_during_prefill(server):
     before = chat(server)
     body = {"prompt": [f"p{i}" for i in range(8)], "n": 8, "max_tokens": 1}
     for seconds in (0.05, 0.2, 0.5):
         give_up_after(server, body, seconds)
-    wait_idle(server)
+    server.wait_idle(timeout=60)
     assert_pool_consistent(server)
     assert server.info()["kv_pool"]["used_pages"] == 0
     assert chat(server) == before
@@ -87,7 +75,7 @@ def test_single_long_prompt_aborted_during_prefill(server):
     reference = complete(server, follow_up)
     for seconds in (0.05, 0.1, 0.2, 0.4):
         give_up_after(server, {"prompt": LONG_PROMPT, "max_tokens": 4}, seconds)
-        wait_idle(server)
+        server.wait_idle(timeout=60)
         for k in range(3):  # unrelated requests take the freed pages and overwrite them
             complete(server, f"Unrelated request number {k} about something else entirely.")
         assert_pool_consistent(server)

@@ -48,19 +48,6 @@ def server(tiny_chat_model, tmp_path_factory):
     s.stop()
 
 
-def wait_idle(server, timeout: float = 10.0) -> dict:
-    """The server's live state once no request is left in any queue and no KV page is held by one."""
-    deadline = time.monotonic() + timeout
-    while True:
-        info = server.info()
-        if not any(info["requests"].values()) and info["kv_pool"]["used_pages"] == 0:
-            return info
-        assert time.monotonic() < deadline, (
-            f"not idle after {timeout} s: {info['requests']} {info['kv_pool']}"
-        )
-        time.sleep(0.1)
-
-
 def stream_gaps(server, out: dict, max_tokens: int = 200) -> None:
     """Stream a completion with the openai client; record the largest gap between chunks."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
@@ -110,7 +97,7 @@ def test_huge_prompts_are_refused_fast_and_do_not_stall_streams(server):
                 and error["code"] == "context_length_exceeded"
                 and why in error["message"]
             )
-    wait_idle(server)
+    server.wait_idle(pages_free=True)
 
 
 async def _burst(url: str, n: int) -> list[httpx.Response]:
@@ -157,7 +144,7 @@ def test_overload_is_refused_with_503_and_retry_after(server):
     assert burst_s < 30
     assert out["finish"] == "length"  # the running request was unharmed
     assert health and all(code == 200 and seconds < 1.0 for code, seconds in health), health
-    wait_idle(server)
+    server.wait_idle(pages_free=True)
 
 
 def test_slow_reader_is_aborted_and_does_not_stall_others(server):
@@ -181,7 +168,7 @@ def test_slow_reader_is_aborted_and_does_not_stall_others(server):
     while "replies unread" not in server.output():
         assert time.monotonic() < deadline, "the slow reader was never aborted"
         time.sleep(0.1)
-    info = wait_idle(server)  # aborted long before its 4000 tokens
+    info = server.wait_idle(pages_free=True)  # aborted long before its 4000 tokens
     assert info["counters"]["generation_tokens"] < 4000 + 200 * 10
     # What it is finally sent ends with the reason, in OpenAI's error shape, and [DONE].
     slow.settimeout(10)
@@ -236,7 +223,7 @@ def test_disconnect_frees_the_request(server, when):
             assert [line for line in lines if line][-1] == "data: [DONE]"
         resp.close()
         client.close()
-    wait_idle(server)
+    server.wait_idle(pages_free=True)
     assert server.post("/v1/completions", greedy).json()["choices"][0]["text"] == before
 
 
@@ -256,6 +243,6 @@ def test_a_burst_of_disconnects(server):
     for client, resp in opened:
         resp.close()
         client.close()
-    info = wait_idle(server)
+    info = server.wait_idle(pages_free=True)
     assert info["kv_pool"]["free_pages"] + info["kv_pool"]["cached_pages"] == info["kv_pool"]["total_pages"]
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import time
 
 import httpx
 import openai
@@ -67,17 +66,6 @@ def validate_completion_chunk(chunk: dict) -> None:
     until the last chunk in OpenAI's own streams too: check everything else strictly."""
     choices = [dict(c, finish_reason=c["finish_reason"] or "length") for c in chunk["choices"]]
     Completion.model_validate({**chunk, "choices": choices})
-
-
-def wait_idle(server: Server, timeout: float = 10.0) -> dict:
-    """server_info once no request runs; fails if that does not happen in time."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = server.info()
-        if not any(info["requests"].values()):
-            return info
-        time.sleep(0.05)
-    raise AssertionError(f"requests still running: {info['requests']}")
 
 
 def assert_kv_all_free(info: dict) -> None:
@@ -229,7 +217,7 @@ def test_chat_without_max_tokens_runs_to_the_context(server):
         assert resp.status_code == 200
         lines = resp.iter_lines()
         assert next(lines).startswith("data: ")
-    assert_kv_all_free(wait_idle(server))
+    assert_kv_all_free(server.wait_idle())
 
 
 def test_concurrent_streams_match_offline(server, offline):
@@ -257,7 +245,7 @@ def test_concurrent_streams_match_offline(server, offline):
     got = asyncio.run(all_of_them())
     assert [t for t, _ in got] == [e.text for e in expected]
     assert [f for _, f in got] == [e.finish_reason for e in expected]
-    assert_kv_all_free(wait_idle(server))
+    assert_kv_all_free(server.wait_idle())
 
 
 # -- stop strings ---------------------------------------------------------------------------------
@@ -284,7 +272,7 @@ def test_stop_string(server):
     )
     chunks = parse_sse(server.post("/v1/completions", {**kept, "stream": True}).text)
     assert "".join(c["choices"][0]["text"] for c in chunks) == cut + stop
-    assert_kv_all_free(wait_idle(server))  # the scheduler aborted it
+    assert_kv_all_free(server.wait_idle())  # the scheduler aborted it
 
 
 def test_stop_token_ids_and_min_tokens(server, offline):
@@ -309,7 +297,7 @@ def test_stream_disconnect_frees_kv(server):
         lines = resp.iter_lines()
         assert next(lines).startswith("data: ")
         assert server.info()["requests"]["running"] == 1
-    info = wait_idle(server, timeout=5)
+    info = server.wait_idle(timeout=5)
     assert_kv_all_free(info)
     assert info["counters"]["generation_tokens"] - before < 3000
 
@@ -319,7 +307,7 @@ def test_non_stream_disconnect_frees_kv(server):
     body = {"messages": HELLO, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + CHAT, json=body, timeout=0.5)
-    info = wait_idle(server, timeout=5)
+    info = server.wait_idle(timeout=5)
     assert_kv_all_free(info)
     assert info["counters"]["generation_tokens"] - before < 3000
 
@@ -343,7 +331,7 @@ def test_abort_request_by_rid(server):
     last = json.loads(events[-2])
     assert last["meta_info"]["finish_reason"] == {"type": "abort", "matched": None}
     assert last["meta_info"]["completion_tokens"] < 3000
-    assert_kv_all_free(wait_idle(server))
+    assert_kv_all_free(server.wait_idle())
 
 
 # -- SGLang /generate and vLLM tokenizer endpoints --------------------------------------------------
@@ -607,4 +595,4 @@ def test_still_healthy_after_everything(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
     out = client.completions.create(model="tiny", prompt="still there?", max_tokens=3)
     assert out.usage.completion_tokens == 3
-    assert_kv_all_free(wait_idle(server))
+    assert_kv_all_free(server.wait_idle())

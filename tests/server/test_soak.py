@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import httpx
 import pytest
@@ -144,28 +143,18 @@ async def soak(url: str, specs: list[dict]) -> list[str]:
         return await asyncio.gather(*(limited(s) for s in specs))
 
 
-def wait_idle(server: Server, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = server.info()
-        if not any(info["requests"].values()):
-            return info
-        time.sleep(0.1)
-    raise AssertionError(f"requests still queued after the soak: {info['requests']}")
-
-
 def test_soak_with_cancellations(server):
     rng = random.Random(1234)
     pids = [server.proc.pid, *server.workers.values()]
     asyncio.run(soak(server.url, [make_request(rng) for _ in range(WARMUP_REQUESTS)]))
-    wait_idle(server)
+    server.wait_idle(timeout=30)
     rss_before = rss_mb(pids)
     specs = [make_request(rng) for _ in range(NUM_REQUESTS)]
     results = asyncio.run(soak(server.url, specs))
     # A request may finish before its client meant to leave (short answers): then it is checked.
     planned = sum(s["cancel_after"] is not None for s in specs)
     assert planned / 2 <= results.count("cancelled") <= planned
-    info = wait_idle(server)
+    info = server.wait_idle(timeout=30)
     assert httpx.get(server.url + "/health").status_code == 200, server.output()[-3000:]
     pool = info["kv_pool"]
     assert pool["used_pages"] == 0, pool  # only the prefix cache holds pages
