@@ -24,16 +24,29 @@ SUM_COLS = gl.constexpr(16)
 ONES_TILE = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
 
 
+# The running max moves only when some row's max grew by more than 2^RESCALE_LOG2; until then
+# probabilities may reach 2^8 (fp32 sums and bf16 P hold that), and the output is the same:
+# numerator and denominator share the max they were taken against.
+RESCALE_LOG2 = gl.constexpr(8.0)
+
+
 @gluon.jit
 def _online_softmax(s, m_i, sm_scale_log2):
-    """One block's step of the online softmax over raw scores s (base 2, scaled here): the new
-    running max, the factor for what was accumulated before and the block's probabilities. (The
+    """One block's step of the online softmax over raw scores s (base 2, scaled here): the
+    running max, the factor for what was accumulated before, the block's probabilities, and
+    whether the max moved (else the factor is 1 and the accumulators need no rescale: 64
+    multiplies per thread a block saved, most blocks once the first few set the max). (The
     running sum is the tensor cores': see _consumer.)"""
-    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_block = gl.max(s, 1)
+    moved = gl.max((m_block - m_i) * sm_scale_log2, 0) > RESCALE_LOG2
+    if moved:
+        m_new = gl.maximum(m_i, m_block)
+    else:
+        m_new = m_i
     m_scaled = m_new * sm_scale_log2
     alpha = gl.exp2(m_i * sm_scale_log2 - m_scaled)
     p = gl.exp2(s * sm_scale_log2 - m_scaled[:, None])
-    return m_new, alpha, p
+    return m_new, alpha, p, moved
 
 
 @gluon.jit
@@ -63,13 +76,14 @@ def _attend_block(
     # overlap, rather than before them (seen in the sm_90 code).
     if j * BLOCK_N >= unmasked_end:  # a block that reaches the rows' own positions
         s = gl.where(key_offs[None, :] <= (q_pos - j * BLOCK_N)[:, None], s, float("-inf"))
-        m_new, alpha, p = _online_softmax(s, m_i, sm_scale_log2)
+        m_new, alpha, p, moved = _online_softmax(s, m_i, sm_scale_log2)
     else:
-        m_new, alpha, p = _online_softmax(s, m_i, sm_scale_log2)
+        m_new, alpha, p, moved = _online_softmax(s, m_i, sm_scale_log2)
     acc, sums, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc_token, sums_token, p_prev))
     mbarrier.arrive(empty.index(STAGES + v_slot))  # V_{j-1} is read
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
-    sums = sums * gl.convert_layout(alpha, gl.SliceLayout(1, SUM_MMA))[:, None]
+    if moved:
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
+        sums = sums * gl.convert_layout(alpha, gl.SliceLayout(1, SUM_MMA))[:, None]
     p_next = gl.convert_layout(p.to(p_prev.dtype), P_OPERAND)
     return p_next, acc, m_new, sums
 
@@ -126,7 +140,7 @@ def _consumer(
     if unmasked_end == 0:
         s = gl.where(key_offs[None, :] <= q_pos[:, None], s, float("-inf"))
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, S_MMA))
-    m_i, _, p = _online_softmax(s, m_i, sm_scale_log2)
+    m_i, _, p, _ = _online_softmax(s, m_i, sm_scale_log2)
     p_a = gl.convert_layout(p.to(dtype), P_OPERAND)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_MMA)
     sums = gl.zeros([ROWS, SUM_COLS], gl.float32, SUM_MMA)
