@@ -282,6 +282,31 @@ def test_extend_long_wgmma_runs_gpu(page_size):
     )
 
 
+@pytest.mark.gpu
+def test_extend_long_wgmma_scores_that_climb_gpu():
+    """The Gluon kernel moves a row's running max only once a score passes it by more than 2^8
+    (the accumulators' rescale is skipped otherwise), so random scores, which never climb that far
+    after the first key block, would never take the rescale. Here each request's scores follow a
+    slope along the key positions: steep (the max moves by more than 2^8 in every block), gentle
+    (now and then) and falling (never after the first block)."""
+    device = torch.device("cuda")
+    if not attention_extend_wgmma.supported(device):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    batch, q = _extend_case(4, 128, 16, torch.bfloat16, device, [0, 300, 200], [1700, 1600, 1536])
+    scale = 128**-0.5
+    # q and every key lean along the all-ones direction, so a key's score is ~ slope x position
+    # plus noise; slopes in nats per key (a 128-key block: 6.4, 0.5 and -2.6 nats)
+    q.mul_(0.3).add_(1.0)
+    requests = zip(batch.table_idx_cpu, batch.prefix_lens_cpu, batch.extend_lens_cpu, (0.05, 0.004, -0.02))
+    for row, prefix_len, extend_len, slope in requests:
+        seq_len = prefix_len + extend_len
+        slots = batch.page_table[row, :seq_len].long()
+        lean = slope / (scale * 128) * torch.arange(seq_len, device=device, dtype=torch.float32)
+        batch.k_pool[slots] = (0.3 * batch.k_pool[slots].float() + lean[:, None, None]).to(batch.k_pool.dtype)
+    out = _run_extend(batch, q, scale, tiled=True)
+    torch.testing.assert_close(out, _extend_reference(batch, q, scale), atol=1e-2, rtol=1e-2)
+
+
 def test_gluon_extend_launch_failure_falls_back(monkeypatch, caplog):
     """A Gluon launch that raises (on this machine: no GPU to compile for) returns False with one
     warning, and the kernel stays off, so every long prefill after it runs the Triton kernel
