@@ -62,6 +62,33 @@ def load_variant(name: str):
     return module
 
 
+def host_time(args: tuple, launches: int = 50) -> None:
+    """What the host spends to enqueue one launch (the GPU runs behind, so this is Python and
+    the launcher alone): per-launch timers such as triton.testing.do_bench count whatever of it
+    is not hidden behind their L2 flush, and an engine's eager prefill pays it per layer."""
+    import cProfile
+    import pstats
+    import time
+
+    for wgmma in (False, True):
+        attention_extend.WGMMA_LONG = wgmma
+        extend_attention(*args)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(launches):
+            extend_attention(*args)
+        host = (time.perf_counter() - start) / launches * 1e6
+        torch.cuda.synchronize()
+        print(f"{'gluon' if wgmma else 'triton'}: host {host:7.1f} us per launch enqueued")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(launches):
+        extend_attention(*args)
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix", type=int, default=16384)
@@ -75,8 +102,13 @@ def main() -> None:
         help="also time the Gluon kernel in these CONFIGs, e.g. 128,64,5 (checked against Triton)",
     )
     parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS))
+    parser.add_argument(
+        "--host", action="store_true", help="also the host's time to enqueue a launch, and its profile"
+    )
     opts = parser.parse_args()
     args, flop = extend_problem("llama-8b", [opts.prefix], [opts.chunk], 0, page_size=opts.page_size)
+    if opts.host:
+        host_time(args)
     for wgmma in (False, True):
         attention_extend.WGMMA_LONG = wgmma
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
