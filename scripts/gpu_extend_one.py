@@ -17,6 +17,11 @@ block gathered row by row with cp.async, none by TMA: the kernel as before TMA).
 
 `--page-size` sets the pool's pages (shuffled): with pages of 128 or more every full key block is
 one TMA box, with fewer none is.
+
+Clocks: the default three launches run at the card's boost clock; the Gluon kernel takes an
+H100 to its power cap within a second, after which it runs ~13% slower (docs/BENCHMARKS.md,
+thirty-second session). `--launches 200` gives the sustained figure, which is what a prefill
+sees. `--host` also prints the host's time to enqueue one launch of each kernel.
 """
 
 from __future__ import annotations
