@@ -39,7 +39,7 @@ def _online_softmax(s, m_i, sm_scale_log2):
     running sum is the tensor cores': see _consumer.)"""
     m_block = gl.max(s, 1)
     moved = gl.max((m_block - m_i) * sm_scale_log2, 0) > RESCALE_LOG2
-    if moved:
+    if moved:  # noqa: SIM108  (a branch on a scalar, as measured and tested on the GPU)
         m_new = gl.maximum(m_i, m_block)
     else:
         m_new = m_i
