@@ -19,12 +19,17 @@ where it is issued). Here a program has three warpgroups:
   block j a consumer issues block j's scores and block j - 1's PV product, waits for the
   scores only, and runs block j's softmax while PV is in flight (FlashAttention-3's overlap
   within a warpgroup); the consumers run at their own pace, with no barrier between them.
+  The softmax's running sums are products too (each block's P times a column of ones, beside
+  PV), and the running max moves only when some row grew by more than 2^8, so most blocks skip
+  the accumulators' rescale (FlashAttention-4's conditional rescale).
 
 Registers are moved to the consumers (setmaxnreg: 240 each, the producer 32).
 
 Measured on an H100 (docs/BENCHMARKS.md, twenty-seventh to thirtieth sessions, with the
 variants that did not pay): an 8k chunk over a 16k prefix (Llama-8B heads) at 634 TFLOP/s with
-every block one box, ~470 with every block gathered, against the Triton kernel's 434.
+every block one box, ~470 with every block gathered, against the Triton kernel's 434, at the
+boost clock; under sustained load the card's power cap takes ~13% off (559 TFLOP/s, thirty-
+second session).
 
 Scope: the engine's long launches only (attention_extend.launch_config's LONG_CONFIG case):
 bf16 or fp16 pools with 128-dim heads, no sliding window, compute capability 9.x (wgmma and
