@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +114,16 @@ async def run(server: Server, prompts: list[str], rounds: int, rng: random.Rando
     return failures
 
 
+def exercised(server: Server) -> str:
+    """What the run made the server do, from its /metrics: preemptions, prefix-cache hits and
+    (with --host-kv-cache-gb) the host tier's traffic, so a run that was meant to stress one of
+    them shows that it did."""
+    wanted = ("num_preemptions", "prefix_cache_hits", "host_cache_hits", "host_cache_bytes_offloaded")
+    lines = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text.splitlines()
+    found = [line for line in lines if not line.startswith("#") and any(w in line for w in wanted)]
+    return "; ".join(found) or "(none of the counters it looks for)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -129,6 +140,7 @@ def main() -> None:
     server = Server([*args.serve_args, "--served-model-name", "m"], log)
     try:
         failures = asyncio.run(run(server, make_prompts(args.pairs, rng), args.rounds, rng))
+        print(f"exercised: {exercised(server)}")
     finally:
         server.stop()
     print(f"{'FAILED' if failures else 'passed'}: {failures} failures (server log {log})")
