@@ -119,16 +119,11 @@ def graph_draw_enabled() -> bool:
 
 def overlap_min_batch() -> int:
     """MINFER_DECODE_OVERLAP: the smallest decode graph whose model pass runs as two halves on
-    two streams (CudaGraphRunner._forward); 0 turns that off. Each half must have more rows
-    than the split-K GEMM takes (kernels/gemm.py MAX_ROWS): its arrival counters are one
-    buffer per device and assume one stream."""
-    from minfer.kernels.gemm import MAX_ROWS
-
+    two streams (CudaGraphRunner._forward); 0 turns that off."""
     text = os.environ.get("MINFER_DECODE_OVERLAP", "0")
     if not text.isdigit():
         raise ValueError(f"MINFER_DECODE_OVERLAP={text!r}: expected a batch size, or 0 for off")
-    size = int(text)
-    return max(size, 2 * MAX_ROWS + 2) if size else 0
+    return max(int(text), 2) if int(text) else 0
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -198,7 +193,7 @@ class CudaGraphRunner:
         halves on two streams, so that one half's kernels fill the SMs that the other's leave
         idle (a GEMM of a few dozen tiles, the tail of an attention launch, the gaps between
         launches). The halves share no buffer but the KV pool, where their rows write different
-        slots; see overlap_min_batch for why split-K GEMMs must not run on both."""
+        slots (and the split-K GEMM's arrival counters, kept per stream: kernels/common.py)."""
         model = self.engine.model
         if not self.overlap_from or bs < self.overlap_from:
             return model(input_ids, positions, self._context(0, bs))
