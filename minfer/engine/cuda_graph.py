@@ -200,7 +200,17 @@ class CudaGraphRunner:
         half = bs // 2
         main = torch.cuda.current_stream(self.device)
         self.side_stream.wait_stream(main)
+        staggered = os.environ.get("MINFER_DECODE_OVERLAP_STAGGER", "0") == "1"
+        if staggered:  # the second half starts once the first half's first attention is done
+            from minfer.layers.attention import PagedAttention
+
+            first_attention = next(m for m in model.modules() if isinstance(m, PagedAttention))
+            event = torch.cuda.Event()
+            hook = first_attention.register_forward_hook(lambda *_: event.record(main))
         first = model(input_ids[:half], positions[:half], self._context(0, half))
+        if staggered:
+            hook.remove()
+            self.side_stream.wait_event(event)
         with torch.cuda.stream(self.side_stream):
             second = model(input_ids[half:bs], positions[half:bs], self._context(half, bs))
         main.wait_stream(self.side_stream)
