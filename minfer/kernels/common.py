@@ -103,13 +103,11 @@ def reset_pdl_choice() -> None:
 
 
 def arrival_counters(device: torch.device, user: str, count: int) -> torch.Tensor:
-    """A zeroed int32 buffer of `count` arrival counters on `device`, one buffer per `user` (a
-    kernel kind) and stream. A kernel whose last program to arrive finishes the work (the
-    split-K GEMM's sum, the router's selection) counts arrivals here, and that program puts its
-    counter back to zero, so the buffer is zero between launches and a CUDA graph can replay
-    them. Launches on one stream run one after another, so two never count in one buffer at
-    once; a decode graph's second stream (engine/cuda_graph.py) has buffers of its own. The
-    first call on a stream must come before any graph capture (the warm-up does it), or the
+    """A zeroed int32 buffer of `count` arrival counters on `device`, one per `user` (a kernel
+    kind) and stream. A kernel whose last program to arrive finishes the work (the split-K GEMM's
+    sum, the router's selection) counts arrivals here and that program zeroes its counter again,
+    so a CUDA graph can replay them. Launches on one stream never count in one buffer at once.
+    The first call on a stream must come before any graph capture (the warm-up's), or the
     zeroing would be captured."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     return _arrival_counters(device, user, count, stream)
