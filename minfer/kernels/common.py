@@ -103,12 +103,10 @@ def reset_pdl_choice() -> None:
 
 
 def arrival_counters(device: torch.device, user: str, count: int) -> torch.Tensor:
-    """A zeroed int32 buffer of `count` arrival counters on `device`, one per `user` (a kernel
-    kind) and stream. A kernel whose last program to arrive finishes the work (the split-K GEMM's
-    sum, the router's selection) counts arrivals here and that program zeroes its counter again,
-    so a CUDA graph can replay them. Launches on one stream never count in one buffer at once.
-    The first call on a stream must come before any graph capture (the warm-up's), or the
-    zeroing would be captured."""
+    """A zeroed int32 buffer of `count` arrival counters, one per `user` (a kernel kind) and
+    stream: a kernel's last program to arrive (the split-K GEMM's sum, the router's selection)
+    finishes the work and zeroes its counter, so graphs replay them. The first call on a stream
+    must come before any graph capture (the warm-up's), or the zeroing would be captured."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     return _arrival_counters(device, user, count, stream)
 
