@@ -117,15 +117,6 @@ def graph_draw_enabled() -> bool:
     return mode == "on"
 
 
-def overlap_min_batch() -> int:
-    """MINFER_DECODE_OVERLAP: the smallest decode graph whose model pass runs as two halves on
-    two streams (CudaGraphRunner._forward); 0 turns that off."""
-    text = os.environ.get("MINFER_DECODE_OVERLAP", "0")
-    if not text.isdigit():
-        raise ValueError(f"MINFER_DECODE_OVERLAP={text!r}: expected a batch size, or 0 for off")
-    return max(int(text), 2) if int(text) else 0
-
-
 def graph_batch_sizes(max_bs: int) -> list[int]:
     sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_bs] + list(range(16, max_bs + 1, 16))
     if sizes[-1] != max_bs:
@@ -168,53 +159,21 @@ class CudaGraphRunner:
         self._all_plain = False  # whether every request of that set draws plainly
         self._min_tokens: list[Req] = []  # those of its requests whose bans may still apply
         self.drawn_steps = 0  # steps whose tokens the graph drew (tests, A/B runs)
-        self.overlap_from = overlap_min_batch() if engine.tp.size == 1 else 0
-        self.side_stream = torch.cuda.Stream(dev) if self.overlap_from else None
         self.capture()
 
-    def _context(self, lo: int, hi: int) -> ForwardContext:
-        """The attention context of the step's rows [lo, hi)."""
-        n = hi - lo
+    def _context(self, bs: int) -> ForwardContext:
         meta = AttentionMetadata(
             is_decode=True,
-            table_idx=self.meta[0, lo:hi],
-            prefix_lens=self.zeros[:n],
-            seq_lens=self.meta[1, lo:hi],
-            cu_extend_lens=self.cu[: n + 1],
+            table_idx=self.meta[0, :bs],
+            prefix_lens=self.zeros[:bs],
+            seq_lens=self.meta[1, :bs],
+            cu_extend_lens=self.cu[: bs + 1],
             page_table=self.engine.page_table.slots,
-            prefix_lens_cpu=[0] * n,
-            extend_lens_cpu=[1] * n,
+            prefix_lens_cpu=[0] * bs,
+            extend_lens_cpu=[1] * bs,
             max_extend_len=1,
         )
-        return ForwardContext(meta, self.engine.kv_pool, self.engine.backend, self.staged[OUT_LOC, lo:hi])
-
-    def _forward(self, bs: int, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The model over the step's rows: in one pass, or from `overlap_from` rows up as two
-        halves on two streams, so that one half's kernels fill the SMs that the other's leave
-        idle (a GEMM of a few dozen tiles, the tail of an attention launch, the gaps between
-        launches). The halves share no buffer but the KV pool, where their rows write different
-        slots (and the split-K GEMM's arrival counters, kept per stream: kernels/common.py)."""
-        model = self.engine.model
-        if not self.overlap_from or bs < self.overlap_from:
-            return model(input_ids, positions, self._context(0, bs))
-        half = bs // 2
-        main = torch.cuda.current_stream(self.device)
-        self.side_stream.wait_stream(main)
-        staggered = os.environ.get("MINFER_DECODE_OVERLAP_STAGGER", "0") == "1"
-        if staggered:  # the second half starts once the first half's first attention is done
-            from minfer.layers.attention import PagedAttention
-
-            first_attention = next(m for m in model.modules() if isinstance(m, PagedAttention))
-            event = torch.cuda.Event()
-            hook = first_attention.register_forward_hook(lambda *_: event.record(main))
-        first = model(input_ids[:half], positions[:half], self._context(0, half))
-        if staggered:
-            hook.remove()
-            self.side_stream.wait_event(event)
-        with torch.cuda.stream(self.side_stream):
-            second = model(input_ids[half:bs], positions[half:bs], self._context(half, bs))
-        main.wait_stream(self.side_stream)
-        return torch.cat([first, second])
+        return ForwardContext(meta, self.engine.kv_pool, self.engine.backend, self.staged[OUT_LOC, :bs])
 
     def _run(self, bs: int) -> torch.Tensor:
         """The captured step: from the staged vectors, the new slots into the page table, the
@@ -222,7 +181,7 @@ class CudaGraphRunner:
         engine, model = self.engine, self.engine.model
         step = DecodeInputs(bs, self.staged[:, :bs])
         input_ids = step.start(engine.page_table, self.meta)
-        hidden = self._forward(bs, input_ids, step.positions)
+        hidden = model(input_ids, step.positions, self._context(bs))
         if self.engine.tp.size > 1:
             return model.shard_logits(hidden, out=self.logits[:bs])
         logits = model.compute_logits(hidden, out=self.logits[:bs])

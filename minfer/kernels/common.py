@@ -102,17 +102,15 @@ def reset_pdl_choice() -> None:
     _pdl_args.cache_clear()
 
 
-def arrival_counters(device: torch.device, user: str, count: int) -> torch.Tensor:
-    """A zeroed int32 buffer of `count` arrival counters, one per `user` (a kernel kind) and
-    stream: a kernel's last program to arrive (the split-K GEMM's sum, the router's selection)
-    finishes the work and zeroes its counter, so graphs replay them. The first call on a stream
-    must come before any graph capture (the warm-up's), or the zeroing would be captured."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    return _arrival_counters(device, user, count, stream)
-
-
 @functools.cache
-def _arrival_counters(device: torch.device, user: str, count: int, stream: int) -> torch.Tensor:
+def arrival_counters(device: torch.device, user: str, count: int) -> torch.Tensor:
+    """A zeroed int32 buffer of `count` arrival counters on `device`, one buffer per `user` (a
+    kernel kind). A kernel whose last program to arrive finishes the work (the split-K GEMM's
+    sum, the router's selection) counts arrivals here, and that program puts its counter back
+    to zero, so the buffer is zero between launches and a CUDA graph can replay them. Launches
+    on one stream run one after another, so two never count in one buffer at once. The first
+    call must come before any graph capture (the warm-up does it), or the zeroing would be
+    captured."""
     return torch.zeros(count, dtype=torch.int32, device=device)
 
 
