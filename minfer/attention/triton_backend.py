@@ -30,6 +30,8 @@ DECODE_PROLOGUE_MAX_BATCH = int(os.environ.get("MINFER_DECODE_PROLOGUE_MAX_BATCH
 L2_AHEAD = os.environ.get("MINFER_L2_AHEAD", "mlp")
 # The share of L2 a layer's prefetched weights may take: beyond it they would evict each other.
 L2_AHEAD_SHARE = float(os.environ.get("MINFER_L2_AHEAD_SHARE", "0.75"))
+# Decode batches of up to this many rows prefetch (their GEMMs are latency-bound, not bytes).
+L2_AHEAD_ROWS = int(os.environ.get("MINFER_L2_AHEAD_ROWS", "2"))
 
 
 def plan_l2_ahead(model: torch.nn.Module, device: torch.device) -> dict[int, tuple[torch.Tensor, ...]]:
@@ -96,7 +98,7 @@ class TritonAttentionBackend:
                 **scales,
                 new_kv=new_kv,
                 window=window,
-                l2_ahead=self.l2_ahead.get(layer, ()),
+                l2_ahead=self.l2_ahead.get(layer, ()) if q.shape[0] <= L2_AHEAD_ROWS else (),
             )
         if meta.extend_tiles is None:
             block_m = launch_config(meta.max_extend_len, q.is_cuda, pool.quantized)[0]

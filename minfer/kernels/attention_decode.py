@@ -103,8 +103,8 @@ def decode_attention(
     the real one divided by its head's scale (KVPool's format).
     With `new_kv`, q is not yet normalised or rotated and the pool does not yet hold position
     seq_lens[b] - 1: the kernel does rope_store's work first (one launch fewer per layer).
-    `l2_ahead`: up to four contiguous tensors (the weights the layer reads next) that a launch
-    of at most CHAIN_ROWS rows asks L2 for before its wait, while its own work is latency.
+    `l2_ahead`: up to four contiguous 16-bit tensors (the weights the layer reads next) that the
+    launch asks L2 for as it starts (before its wait where it is chained).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
@@ -129,7 +129,7 @@ def decode_attention(
         return out
     prologue, prologue_strides = decode_prologue_args(new_kv, q, seq_lens)
     chained = chained_rows(batch)
-    ahead = list(l2_ahead if chained else ())[:4]
+    ahead = list(l2_ahead)[:4]
     ahead_lines = [triton.cdiv(t.numel() * t.element_size(), CACHE_LINE) for t in ahead]
     if any(t.element_size() != 2 or not t.is_contiguous() for t in ahead):
         raise ValueError("l2_ahead takes contiguous 16-bit tensors")
