@@ -25,43 +25,11 @@ from minfer.kernels.rope_store import store_new_kv
 # Qwen3-0.6B, batch 1 1.47 -> 1.38 ms per step, 16-31 running 2.52 -> 2.46, 128-256 running
 # 6.09 -> 6.15 (docs/PERFORMANCE.md). The environment variable is for A/B measurements.
 DECODE_PROLOGUE_MAX_BATCH = int(os.environ.get("MINFER_DECODE_PROLOGUE_MAX_BATCH", "32"))
-# MINFER_L2_AHEAD: which weights a one- or two-row decode launch asks L2 for while it waits
-# (plan_l2_ahead): off, mlp (o_proj, gate_up, down) or layer (those and the next layer's qkv).
-L2_AHEAD = os.environ.get("MINFER_L2_AHEAD", "mlp")
-# The share of L2 a layer's prefetched weights may take: beyond it they would evict each other.
-L2_AHEAD_SHARE = float(os.environ.get("MINFER_L2_AHEAD_SHARE", "0.75"))
-# Decode batches of up to this many rows prefetch (their GEMMs are latency-bound, not bytes).
-L2_AHEAD_ROWS = int(os.environ.get("MINFER_L2_AHEAD_ROWS", "2"))
-
-
-def plan_l2_ahead(model: torch.nn.Module, device: torch.device) -> dict[int, tuple[torch.Tensor, ...]]:
-    """Per layer id, the weights read after its attention that fit in L2 together (see
-    MINFER_L2_AHEAD): at one row the decode kernel is latency while DRAM idles, and the gemvs that
-    follow then find their weights in L2. Empty off CUDA or where a layer's weights do not fit."""
-    if L2_AHEAD == "off" or device.type != "cuda":
-        return {}
-    budget = torch.cuda.get_device_properties(device).L2_cache_size * L2_AHEAD_SHARE
-    layers = model.model.layers
-    plan = {}
-    for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        weights = [attn.o_proj.weight]
-        if hasattr(mlp, "gate_up_proj"):
-            weights += [mlp.gate_up_proj.weight, mlp.down_proj.weight]
-        if L2_AHEAD == "layer" and i + 1 < len(layers):
-            weights.append(layers[i + 1].self_attn.qkv_proj.weight)
-        weights = [w for w in weights if w.is_cuda and w.element_size() == 2 and w.is_contiguous()]
-        if weights and sum(w.numel() * 2 for w in weights) <= budget:
-            plan[attn.attn.layer_id] = tuple(weights)
-    return plan
 
 
 class TritonAttentionBackend:
     name = "triton"
     writes_new_kv = True
-
-    def __init__(self) -> None:
-        self.l2_ahead: dict[int, tuple[torch.Tensor, ...]] = {}  # plan_l2_ahead's, set by the engine
 
     def forward(
         self,
@@ -98,7 +66,6 @@ class TritonAttentionBackend:
                 **scales,
                 new_kv=new_kv,
                 window=window,
-                l2_ahead=self.l2_ahead.get(layer, ()) if q.shape[0] <= L2_AHEAD_ROWS else (),
             )
         if meta.extend_tiles is None:
             block_m = launch_config(meta.max_extend_len, q.is_cuda, pool.quantized)[0]

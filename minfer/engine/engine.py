@@ -181,10 +181,6 @@ class Engine:
         self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
         low_bit = getattr(self.model, "quantized", False)
         self.backend = make_attention_backend(config.attention_backend, self.device, low_bit)
-        if self.backend.name == "triton":
-            from minfer.attention.triton_backend import plan_l2_ahead
-
-            self.backend.l2_ahead = plan_l2_ahead(self.model, self.device)
 
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, head_dim_of(self.hf_config)

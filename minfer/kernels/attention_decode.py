@@ -91,7 +91,6 @@ def decode_attention(
     v_scale: torch.Tensor | None = None,
     new_kv: NewKV | None = None,
     window: int | None = None,
-    l2_ahead: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """Attention of one new token per request over its cached keys [0, seq_lens[b]), or with a
     sliding `window` over the last `window` of them.
@@ -103,8 +102,6 @@ def decode_attention(
     the real one divided by its head's scale (KVPool's format).
     With `new_kv`, q is not yet normalised or rotated and the pool does not yet hold position
     seq_lens[b] - 1: the kernel does rope_store's work first (one launch fewer per layer).
-    `l2_ahead`: up to four contiguous 16-bit tensors (the weights the layer reads next) that the
-    launch asks L2 for as it starts (before its wait where it is chained).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
@@ -128,12 +125,6 @@ def decode_attention(
     if batch == 0:
         return out
     prologue, prologue_strides = decode_prologue_args(new_kv, q, seq_lens)
-    chained = chained_rows(batch)
-    ahead = list(l2_ahead)[:4]
-    ahead_lines = [triton.cdiv(t.numel() * t.element_size(), CACHE_LINE) for t in ahead]
-    if any(t.element_size() != 2 or not t.is_contiguous() for t in ahead):
-        raise ValueError("l2_ahead takes contiguous 16-bit tensors")
-    ahead_args = ahead + [q] * (4 - len(ahead)) + ahead_lines + [0] * (4 - len(ahead))
     widen = k_scale is not None and FP8_PTX_WIDEN and ptx_widens_e4m3(q.device)
     launch = {"num_warps": NUM_WARPS, "num_stages": FP8_WIDENED_STAGES if widen else NUM_STAGES}
     if k_scale is not None and not widen and FP8_MAX_REGISTERS:
@@ -151,7 +142,6 @@ def decode_attention(
         k_scale if k_scale is not None else seq_lens,
         v_scale if v_scale is not None else seq_lens,
         *prologue,
-        *ahead_args,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -174,12 +164,10 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         WINDOW=window or 0,
-        PREFETCH=chained,
+        PREFETCH=chained_rows(batch),
         LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_pool.element_size(), CACHE_LINE)),
         LINE_ELEMENTS=CACHE_LINE // k_pool.element_size(),
         V_PTX_WIDEN=widen,
-        AHEAD=len(ahead),
-        AHEAD_LINE_ELEMENTS=CACHE_LINE // 2,
         **launch,
         **pdl_args(q.device, batch),
     )

@@ -14,17 +14,6 @@ from minfer.kernels.new_kv import finish_decode_token, rope_factors
 
 
 @triton.jit
-def _prefetch_share(base, lines, program, programs, LINE_ELEMENTS: tl.constexpr):
-    """This program's share of `lines` cache lines from `base` (a contiguous weight), asked of L2."""
-    per = tl.cdiv(lines, programs)
-    first = program * per
-    last = tl.minimum(first + per, lines)
-    for start in range(first, last, 256):
-        idx = start + tl.arange(0, 256)
-        prefetch_l2(base + idx.to(tl.int64) * LINE_ELEMENTS, idx < last)
-
-
-@triton.jit
 def decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -45,14 +34,6 @@ def decode_split_kernel(
     k_weight_ptr,
     out_loc_ptr,
     eps,
-    ahead0_ptr,
-    ahead1_ptr,
-    ahead2_ptr,
-    ahead3_ptr,
-    ahead0_lines,
-    ahead1_lines,
-    ahead2_lines,
-    ahead3_lines,
     sm_scale_log2,
     stride_qb,
     stride_qh,
@@ -85,8 +66,6 @@ def decode_split_kernel(
     LINES: tl.constexpr,
     LINE_ELEMENTS: tl.constexpr,
     V_PTX_WIDEN: tl.constexpr,
-    AHEAD: tl.constexpr,
-    AHEAD_LINE_ELEMENTS: tl.constexpr,
 ):
     # Grid (kv head, request, split), kv head fastest: one request's heads, which read nearby parts
     # of the same slot rows, run side by side. H200, graph-timed, Qwen3-0.6B heads, B=256 ctx~1024
@@ -139,16 +118,6 @@ def decode_split_kernel(
         lines = in_slice[:, None] & (offs_line < HEAD_DIM)[None, :]
         prefetch_l2(k_head + first_slots[:, None] * stride_ks + offs_line[None, :], lines)
         prefetch_l2(v_head + first_slots[:, None] * stride_vs + offs_line[None, :], lines)
-    if AHEAD > 0:  # the weights the layer reads after attention, asked of L2 while it waits
-        program = (split * tl.num_programs(1) + b) * num_kv_heads + kv_head
-        programs = num_kv_heads * tl.num_programs(1) * tl.num_programs(2)
-        _prefetch_share(ahead0_ptr, ahead0_lines, program, programs, AHEAD_LINE_ELEMENTS)
-        if AHEAD > 1:
-            _prefetch_share(ahead1_ptr, ahead1_lines, program, programs, AHEAD_LINE_ELEMENTS)
-        if AHEAD > 2:
-            _prefetch_share(ahead2_ptr, ahead2_lines, program, programs, AHEAD_LINE_ELEMENTS)
-        if AHEAD > 3:
-            _prefetch_share(ahead3_ptr, ahead3_lines, program, programs, AHEAD_LINE_ELEMENTS)
 
     pdl_start(PDL_RELEASE, PDL_WAIT)  # the merge, or o_proj's gemv, may start meanwhile
     # this split's rows of the partials, contiguous [B, Hq, num_splits, HEAD_DIM] and [B, Hq, num_splits]

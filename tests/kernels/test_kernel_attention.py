@@ -69,21 +69,6 @@ def test_decode_more_splits_than_keys(device):
         torch.testing.assert_close(out, expected, **tolerance(torch.float32))
 
 
-def test_decode_l2_ahead_changes_nothing(device):
-    """A one-row launch asked to bring weights into L2 (the engine's plan_l2_ahead) returns what
-    it returns without them, and leaves them as they were; a weight it cannot take is refused."""
-    batch, q = _decode_case(2, 64, 1, torch.bfloat16, device, [300])
-    args = _decode_args(batch, q, 0.125)
-    weights = tuple(torch.randn(shape, dtype=torch.bfloat16).to(device) for shape in ((96, 64), (33, 7), (5,)))
-    before = [w.clone() for w in weights]
-    plain = decode_attention(*args, num_splits=3)
-    ahead = decode_attention(*args, num_splits=3, l2_ahead=weights)
-    assert torch.equal(plain, ahead)
-    assert all(torch.equal(w, b) for w, b in zip(weights, before))
-    with pytest.raises(ValueError, match="16-bit"):
-        decode_attention(*args, l2_ahead=(weights[0].float(),))
-
-
 def test_num_splits_depend_only_on_static_sizes(device):
     assert choose_num_splits(1, 1, 40960, device) > 1  # one request alone is spread out
     assert choose_num_splits(1, 8, 40960, device) >= choose_num_splits(256, 8, 40960, device)
