@@ -30,3 +30,19 @@ def tiny_model(request, tmp_path_factory):
 def tiny_chat_model(tmp_path_factory) -> str:
     """A random 2-layer Llama with the default model's tokenizer (tiny_models.save_tiny_chat_model)."""
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="session")
+def default_model_server(tmp_path_factory):
+    """One `minfer serve` of the default model (README's flags), shared by every module that only
+    talks to it: each start costs ~10 s of the 2-core suite. One thread, the slowest case for the
+    README's answer-time bound. Its clean exit is checked once, at the end of the session."""
+    from server_harness import Server
+
+    srv = Server(
+        ["--max-model-len", "1024", "--kv-cache-tokens", "4096"],
+        tmp_path_factory.mktemp("default-server") / "server.log",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    yield srv
+    assert srv.stop() == 0

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from server_harness import REPO, Server
+from server_harness import REPO
 
 README = (REPO / "README.md").read_text()
 README_URL = "http://127.0.0.1:8000"
@@ -40,13 +40,9 @@ def test_examples_bound_the_answer():
     assert '".[client]"' in install or "openai" in install  # what the Python example imports
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(
-        ["--max-model-len", "1024", "--kv-cache-tokens", "4096"], tmp_path_factory.mktemp("readme") / "s.log"
-    )
-    yield srv
-    srv.stop()
+@pytest.fixture
+def server(default_model_server):
+    return default_model_server  # tests/conftest.py: one default-model server for the session
 
 
 def run_timed(cmd: list[str]) -> tuple[str, float]:

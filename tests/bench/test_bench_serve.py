@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from server_harness import REPO, Server
+from server_harness import REPO
 
 from minfer.bench.serve_client import Shard, run_shard, run_sharded, split
 from minfer.bench.serve_metrics import RequestRecord, distribution_ms, meets_slo, parse_slo, summarize
@@ -184,15 +184,9 @@ def test_connection_errors_are_recorded():
 
 
 # -- the command against a real server -------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(
-        ["--max-model-len", "1024", "--kv-cache-tokens", "4096"],
-        tmp_path_factory.mktemp("logs") / "server.log",
-        env={"OMP_NUM_THREADS": "1"},
-    )
-    yield srv
-    assert srv.stop() == 0
+@pytest.fixture
+def server(default_model_server):
+    return default_model_server  # tests/conftest.py: one default-model server for the session
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:

@@ -9,19 +9,14 @@ import sys
 import openai
 import pytest
 from openai.types.chat import ChatCompletion
-from server_harness import REPO, Server
+from server_harness import REPO
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(
-        ["--max-model-len", "1024", "--kv-cache-tokens", "4096"],
-        tmp_path_factory.mktemp("logs") / "server.log",
-    )
-    yield srv
-    assert srv.stop() == 0
+@pytest.fixture
+def server(default_model_server):
+    return default_model_server  # tests/conftest.py: one default-model server for the session
 
 
 def test_chat_answers_paris(server):
