@@ -62,6 +62,8 @@ def _folds_prologue(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> bool:
     multiply with `silu`, else an RMSNorm) folded in."""
     if _GEMV_PROLOGUE == "off" or not _on_triton(x):
         return False
+    if x.dim() != 2:  # a MoE block's unreduced terms [tokens, top_k, hidden]: the norm kernel sums them
+        return False
     from minfer.kernels import gemv
 
     rows = x.numel() // x.shape[-1]

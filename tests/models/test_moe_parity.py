@@ -15,6 +15,7 @@ from tiny_models import MOE_ARCHS, hf_greedy, save_tiny_model
 from minfer import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PAIRS = ([[3, 1, 4, 1, 5, 9, 2, 6]], [[2, 7, 1, 8], [1, 6, 1, 8, 0, 3, 3]])  # one stream, then two
 
 
 @pytest.fixture(scope="module", params=MOE_ARCHS)
@@ -49,6 +50,25 @@ def test_mixed_batch_under_chunked_prefill_matches_transformers(moe_model, page_
     prompts = _prompts(1, [5, 70, 17, 1, 33])  # 70 tokens at a 24-token budget: three chunks
     got, _ = _generate(path, prompts, page_size=page_size, chunked_prefill_size=24)
     assert got == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_on_a_gpu_decodes_one_and_two_streams_alike_with_and_without_graphs(moe_model):
+    """The GPU's default dtype. One- and two-row decode steps take the one-row gemv kernels, and
+    on one GPU a MoE block hands the next layer its unreduced terms [tokens, top_k, hidden],
+    which only the norm kernel sums: the gemv's norm prologue must not take them (it did, and
+    the graph capture at batch 1 failed). bf16 may flip a router's choice against transformers
+    (see the module docstring), so the reference is the same engine run eagerly: a replayed
+    graph runs the same kernels, so the tokens are the same."""
+    _, path, _ = moe_model
+    outputs = []
+    for graphs in (256, 0):
+        llm = LLM(path, kv_cache_tokens=1024, dtype="bfloat16", cuda_graph_max_bs=graphs, log_level="warning")
+        assert (llm.engine.graphs is not None) == (graphs > 0)
+        outputs.append([[o.token_ids for o in llm.generate(p, GREEDY, use_tqdm=False)] for p in PAIRS])
+        del llm
+    assert outputs[0] == outputs[1]
+    assert all(len(ids) == GREEDY.max_tokens for run in outputs[0] for ids in run)
 
 
 def test_memory_line_and_bench_floor_count_the_experts(moe_model):
