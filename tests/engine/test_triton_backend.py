@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(path, attention_backend=backend, kv_cache_tokens=512, chunked_prefill_size=16,
+        llm = LLM(path, device="cpu", attention_backend=backend, kv_cache_tokens=512, chunked_prefill_size=16,
                   page_size=page_size, kv_cache_dtype=kv_cache_dtype)
         outs[backend] = [o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
     print(outs)

