@@ -1,8 +1,9 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral) generate transformers' greedy tokens exactly:
 mixed-length prompts in one batch under chunked prefill, through the prefix cache, from a
 checkpoint that stores experts stacked, and with the experts sharded over two TP ranks (gloo).
-The engine runs in float32 everywhere (on a GPU too, through the Triton MoE kernels): in bf16 a
-rounding can flip a router's top-k choice, which moves the output far more than in a dense model."""
+The comparisons with transformers run in float32 (on a GPU too, through the Triton MoE kernels): in
+bf16 a rounding can flip a router's top-k choice, which moves the output far more than in a dense
+model. The GPU's default bf16 is checked against itself (graphs against eager launches)."""
 
 from __future__ import annotations
 
