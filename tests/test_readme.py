@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 from server_harness import REPO
 
 README = (REPO / "README.md").read_text()
@@ -40,11 +39,6 @@ def test_examples_bound_the_answer():
     assert '".[client]"' in install or "openai" in install  # what the Python example imports
 
 
-@pytest.fixture
-def server(default_model_server):
-    return default_model_server  # tests/conftest.py: one default-model server for the session
-
-
 def run_timed(cmd: list[str]) -> tuple[str, float]:
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ANSWER_LIMIT_S, cwd=REPO)
@@ -52,14 +46,14 @@ def run_timed(cmd: list[str]) -> tuple[str, float]:
     return proc.stdout, time.monotonic() - start
 
 
-def test_curl_example_answers_paris(server):
-    command = curl_example().replace(README_URL, server.url)
+def test_curl_example_answers_paris(default_model_server):
+    command = curl_example().replace(README_URL, default_model_server.url)
     out, seconds = run_timed(["bash", "-c", command])
     answer = json.loads(out)["choices"][0]["message"]["content"]
     assert "Paris" in answer and seconds < ANSWER_LIMIT_S
 
 
-def test_python_example_answers_paris(server):
-    code = python_example().replace(README_URL, server.url)
+def test_python_example_answers_paris(default_model_server):
+    code = python_example().replace(README_URL, default_model_server.url)
     out, seconds = run_timed([sys.executable, "-c", code])
     assert "Paris" in out and seconds < ANSWER_LIMIT_S

@@ -66,7 +66,7 @@ def _folds_prologue(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> bool:
         return False
     from minfer.kernels import gemv
 
-    rows = x.numel() // x.shape[-1]
+    rows = x.shape[0]
     return gemv.suits(rows, weight) if _GEMV_PROLOGUE == "on" else gemv.prologue_pays(rows, weight, silu)
 
 

@@ -184,11 +184,6 @@ def test_connection_errors_are_recorded():
 
 
 # -- the command against a real server -------------------------------------------------------------
-@pytest.fixture
-def server(default_model_server):
-    return default_model_server  # tests/conftest.py: one default-model server for the session
-
-
 def bench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "minfer", "bench", "serve", *args],
@@ -226,12 +221,12 @@ def check_run(
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_random_workload(server, tmp_path, endpoint):
+def test_random_workload(default_model_server, tmp_path, endpoint):
     path = tmp_path / "out.json"
-    hits_before = server.info()["stats"]["prefix_hit_tokens"]
+    hits_before = default_model_server.info()["stats"]["prefix_hit_tokens"]
     proc = bench(
         "--base-url",
-        server.url,
+        default_model_server.url,
         "--endpoint",
         endpoint,
         "--num-prompts",
@@ -261,10 +256,10 @@ def test_random_workload(server, tmp_path, endpoint):
     if endpoint == "completions":  # token-id prompts: exactly input-len tokens each
         assert out["prompt_tokens"] == 8 * 16
         # Neither the probe nor the warm-ups may have put a timed prompt in the prefix cache.
-        assert server.info()["stats"]["prefix_hit_tokens"] - hits_before < 8
+        assert default_model_server.info()["stats"]["prefix_hit_tokens"] - hits_before < 8
 
 
-def test_jsonl_dataset_sharded(server, tmp_path):
+def test_jsonl_dataset_sharded(default_model_server, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text(
         "\n".join(
@@ -280,7 +275,7 @@ def test_jsonl_dataset_sharded(server, tmp_path):
     path = tmp_path / "out.json"
     proc = bench(
         "--base-url",
-        server.url,
+        default_model_server.url,
         "--dataset",
         str(data),
         "--output-len",
@@ -329,8 +324,10 @@ def test_bad_flags_give_one_error_line(flags, message):
     )
 
 
-def test_wrong_model_name_is_one_line(server):
-    proc = bench("--base-url", server.url, "--model", "nope", "--num-prompts", "1", "--input-len", "4")
+def test_wrong_model_name_is_one_line(default_model_server):
+    proc = bench(
+        "--base-url", default_model_server.url, "--model", "nope", "--num-prompts", "1", "--input-len", "4"
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "answered HTTP 404" in lines[0], lines

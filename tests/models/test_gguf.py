@@ -20,7 +20,6 @@ from minfer.models import gguf as mg
 from minfer.models.tokenizer_files import gguf_tokenizer
 
 DEFAULT = default_model_file() or ""
-needs_default = needs_default_model
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +39,7 @@ def default_split():
     return os.path.split(DEFAULT)
 
 
-@needs_default
+@needs_default_model
 def test_default_model_weights_match_transformers(default_reference, caplog):
     reference = default_reference.state_dict()
     with caplog.at_level(logging.INFO, logger="minfer.models.gguf"):
@@ -58,7 +57,7 @@ def test_default_model_weights_match_transformers(default_reference, caplog):
         assert torch.equal(a, b), name
 
 
-@needs_default
+@needs_default_model
 def test_default_model_config_matches_transformers(default_reference):
     reference = default_reference.config  # transformers' own reading of the GGUF's metadata
     ours = mg.gguf_config(DEFAULT)
@@ -84,7 +83,7 @@ def test_default_model_config_matches_transformers(default_reference):
     assert mg.gguf_config(DEFAULT).to_dict() == ours.to_dict()  # cache hit
 
 
-@needs_default
+@needs_default_model
 def test_default_tokenizer_same_with_and_without_cache(tmp_path, monkeypatch, default_split):
     cached = gguf_tokenizer(DEFAULT)
     assert (mg.cache_dir(DEFAULT) / "tokenizer").is_dir()

@@ -7,20 +7,14 @@ import subprocess
 import sys
 
 import openai
-import pytest
 from openai.types.chat import ChatCompletion
 from server_harness import REPO
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture
-def server(default_model_server):
-    return default_model_server  # tests/conftest.py: one default-model server for the session
-
-
-def test_chat_answers_paris(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+def test_chat_answers_paris(default_model_server):
+    client = openai.OpenAI(base_url=default_model_server.url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
     out = client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=24
