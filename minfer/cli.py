@@ -218,6 +218,7 @@ def _preflight(cfg: EngineConfig) -> tuple[EngineConfig, str | None]:
         from minfer.models.loader import load_hf_config
 
         check_tp_fits(load_hf_config(source), cfg.tp)
+        check_tp_gpus(cfg)
     if cfg.model is not None and not os.path.exists(cfg.model) and source.load_format != "dummy":
         return dataclasses.replace(cfg, model=source.path), cfg.model
     return cfg, None
@@ -239,6 +240,17 @@ def check_tp_fits(hf_config, tp: int) -> None:
         raise ConfigError(
             f"--tp {tp}: the model's MLP width {hf_config.intermediate_size} does not split into {tp} parts"
         )
+
+
+def check_tp_gpus(cfg: EngineConfig) -> None:
+    """A GPU for every rank of this node, before `serve` starts any process (the ranks check
+    again when they join: parallel.join_tp_group). torch is already imported here for --tp."""
+    import torch
+
+    from minfer.distributed.parallel import RankLayout
+
+    if cfg.device != "cpu" and torch.cuda.is_available():
+        RankLayout.of(cfg).check_gpus(torch.cuda.device_count())
 
 
 def _generate(engine_cfg: EngineConfig, args: argparse.Namespace) -> int:

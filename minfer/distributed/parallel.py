@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from minfer.config import ConfigError
 from minfer.device import set_cpu_threads
 from minfer.distributed import peer_all_reduce
 
@@ -125,6 +126,19 @@ class RankLayout:
     def node_ranks(self) -> list[int]:
         return list(range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node))
 
+    def check_gpus(self, visible: int) -> None:
+        """One GPU per rank of a node (its local rank r takes GPU r). Checked before any rank
+        meets the others: with too few GPUs a rank failed only at set_device, after rank 0 had
+        counted it as joined, and rank 0 then waited in NCCL's rendezvous for it."""
+        if visible >= self.per_node:
+            return
+        where = f"each of the {self.nnodes} nodes runs" if self.nnodes > 1 else "this machine runs"
+        raise ConfigError(
+            f"--tp {self.tp}: {where} {self.per_node} ranks, one GPU each, but torch sees {visible} "
+            f"GPU{'' if visible == 1 else 's'} here (CUDA_VISIBLE_DEVICES chooses them; "
+            "--device cpu runs the ranks on the CPU)"
+        )
+
 
 def split_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
@@ -150,6 +164,8 @@ def join_tp_group(
     create the device group and the control group. On rank 0, `check_peers` raises when a
     rank it started has died, instead of waiting for the rendezvous timeout."""
     layout = RankLayout.of(config)
+    if device_type == "cuda":
+        layout.check_gpus(torch.cuda.device_count())
     peer_all_reduce.disable_nvlink_multicast()  # before any communicator exists
     all_reduce_kind = peer_all_reduce.agreed_kind(store, rank, layout.nnodes)
     store.add("minfer/joined", 1)

@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from minfer.attention.base import ForwardContext, build_metadata
-from minfer.config import EngineConfig, default_chunked_prefill_size, default_max_running_requests
+from minfer.config import (
+    ConfigError,
+    EngineConfig,
+    default_chunked_prefill_size,
+    default_max_running_requests,
+)
 from minfer.core import Batch, LogprobRow, Phase
 from minfer.device import set_cpu_threads, set_gpu_host_threads, to_device
 from minfer.distributed.parallel import SINGLE, TPGroup
@@ -44,7 +49,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' asked for, but torch sees no CUDA device")
+        raise ConfigError(f"--device cuda: torch {torch.__version__} sees no CUDA device")
     return torch.device(name)
 
 

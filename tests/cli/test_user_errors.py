@@ -7,7 +7,11 @@ import socket
 import time
 
 import pytest
+import torch
 from cli_harness import assert_one_line_error, minfer
+
+from minfer.config import ConfigError
+from minfer.distributed.parallel import RankLayout
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"], ["shell"]])
@@ -32,6 +36,27 @@ def test_tp_that_does_not_divide_the_heads_is_one_line(tmp_path):
     )
     result = minfer("generate", str(tmp_path), "--prompt", "hi", "--tp", "2")
     assert_one_line_error(result, "--tp 2", "9 attention heads")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a CUDA device")
+def test_device_cuda_without_one_is_one_line():
+    assert_one_line_error(
+        minfer("generate", "--device", "cuda", "--prompt", "hi"), "--device cuda", "no CUDA device"
+    )
+
+
+def test_tp_with_fewer_gpus_than_ranks_is_refused():
+    """Checked by `serve`'s preflight and by every rank before it meets the others (a rank
+    without a GPU used to fail after rank 0 had counted it, and rank 0 waited in NCCL)."""
+    RankLayout(tp=2, nnodes=1, node_rank=0).check_gpus(2)
+    with pytest.raises(
+        ConfigError, match="this machine runs 2 ranks, one GPU each, but torch sees 1 GPU here"
+    ):
+        RankLayout(tp=2, nnodes=1, node_rank=0).check_gpus(1)
+    with pytest.raises(
+        ConfigError, match="each of the 2 nodes runs 4 ranks, one GPU each, but torch sees 3 GPUs"
+    ):
+        RankLayout(tp=8, nnodes=2, node_rank=1).check_gpus(3)
 
 
 @pytest.mark.parametrize(

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from default_model import needs_default_model
 from greedy_parity import assert_greedy_parity, near_tie_gap
 
 from minfer import LLM, SamplingParams
 from minfer.attention.base import ForwardContext, build_metadata
 from minfer.kvcache.pool import KVPool
 
+pytestmark = needs_default_model
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(disable_overlap_schedule=True)
+    return LLM(device="cpu", disable_overlap_schedule=True)  # the float32 reference numerics
 
 
 def _minfer_logits(llm, ids: list[int]) -> torch.Tensor:

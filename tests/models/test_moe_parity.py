@@ -121,7 +121,8 @@ def test_stacked_expert_checkpoint_loads_alike(moe_model, tmp_path):
 def test_tp2_shards_expert_intermediate_and_matches_transformers(moe_model):
     _, path, hf = moe_model
     prompts = _prompts(5, [3, 30, 12])
-    got, llm = _generate(path, prompts, tp=2, chunked_prefill_size=16)
+    # on the CPU, so that a one-GPU host runs it too (two GPUs: tests/distributed/gpu_tp_check.py)
+    got, llm = _generate(path, prompts, tp=2, chunked_prefill_size=16, device="cpu")
     experts = llm.engine.model.model.layers[0].mlp.experts
     assert experts.tp.size == 2
     assert experts.inter_per_rank * 2 == hf.model.layers[0].mlp.experts.down_proj.shape[2]

@@ -90,7 +90,7 @@ def test_lean_forward_variants(tmp_path, arch):
 @needs_default_model
 def test_default_model_keeps_the_module_path():
     """The float32 default must stay bit-identical to transformers: no lean forward there."""
-    llm = LLM(cpu_threads=1, kv_cache_tokens=512)
+    llm = LLM(device="cpu", cpu_threads=1, kv_cache_tokens=512)
     try:
         assert llm.engine.model.model.lean_forward is None
     finally:

@@ -62,7 +62,13 @@ def test_yarn_model_matches_transformers(arch, tmp_path):
     plain = save_tiny_model(arch, tmp_path / "plain", max_position_embeddings=32)  # same weights
     rng = random.Random(5)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (9, 70)]  # past the 32 pretrained
-    llm = LLM(str(tmp_path / "yarn"), kv_cache_tokens=512, chunked_prefill_size=24, log_level="warning")
+    llm = LLM(
+        str(tmp_path / "yarn"),
+        kv_cache_tokens=512,
+        chunked_prefill_size=24,
+        dtype="float32",
+        log_level="warning",
+    )
     assert llm.engine.max_model_len == 128
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     outs = llm.generate(prompts, greedy, use_tqdm=False)
