@@ -85,7 +85,7 @@ class EngineConfig:
         ("auto", "float32", "bfloat16", "float16"),
     )
     device: str = _opt("auto", "auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
-    max_model_len: int | None = _opt(None, "context length limit (default: the model's)")
+    max_model_len: int | None = _opt(None, "context length limit, at most the model's (default: the model's)")
     page_size: int = _opt(1, "KV cache page size in tokens")
     kv_cache_tokens: int | None = _opt(
         None, "KV pool size in tokens; overrides the measured size on CUDA (CPU default: 16384)"

@@ -70,6 +70,10 @@ def test_tp_with_fewer_gpus_than_ranks_is_refused():
         (["--quantization", "gguf", "--device", "cpu", "qwen3-0.6b"], "needs a .gguf model"),
         (["--chat-template", "no-such-template.jinja"], "neither a file nor a Jinja template"),
         (["--tokenizer", "/no/such/tokenizer"], "is not a directory"),
+        (
+            ["--max-model-len", "9000"],
+            "--max-model-len 9000 is longer than the model's context of 8192 tokens",
+        ),
     ],
 )
 def test_bad_option_values_are_one_line(flags, message):
