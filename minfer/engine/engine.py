@@ -168,14 +168,12 @@ class Engine:
         self.hf_config = load_hf_config(self.source)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         positions = context_length(self.hf_config)  # max_position_embeddings, longer with YaRN
-        if config.max_model_len is not None and config.max_model_len > positions:
-            # It was cut to the model's context without a word, so a user who asked for more
-            # learned only from the memory line or from refused prompts. vLLM refuses too.
+        self.max_model_len = config.max_model_len or positions
+        if self.max_model_len > positions:  # refused, as by vLLM (it was cut without a word)
             raise ConfigError(
                 f"--max-model-len {config.max_model_len} is longer than the model's context of "
                 f"{positions} tokens (its config's max_position_embeddings and rope scaling)"
             )
-        self.max_model_len = config.max_model_len or positions
         self.vocab_size = self.hf_config.vocab_size
 
         memory_before = device_memory_in_use(self.device)
