@@ -21,11 +21,12 @@ def _answer(llm: LLM, messages: list[dict]):
 
 def test_gguf_quantization_stays_near_the_float_path():
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    options = {"kv_cache_tokens": 512, "cpu_threads": 1}
+    # both on the CPU: the reference is the float32-dequantized path, not a GPU's bf16
+    options = {"device": "cpu", "kv_cache_tokens": 512, "cpu_threads": 1}
     reference = LLM(**options)
     want = _answer(reference, messages)
     reference.shutdown()
-    quantized = LLM(device="cpu", quantization="gguf", **options)
+    quantized = LLM(quantization="gguf", **options)
     got = _answer(quantized, messages)
     layers = [m for m in quantized.engine.model.modules() if getattr(m, "low_bit", None) is not None]
     quantized.shutdown()
