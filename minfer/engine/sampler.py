@@ -107,15 +107,30 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def noise_bits(
+    seeds: torch.Tensor, positions: torch.Tensor, num_cols: int, col_offset: int = 0
+) -> torch.Tensor:
+    """[B, num_cols] 32-bit hashes (in int64) of (seed, position, vocab index) for the vocabulary
+    entries col_offset .. col_offset + num_cols - 1: the randomness of every draw."""
+    row_key = _mix32((seeds * 0x9E3779B1 + positions * 0x85EBCA77 + 0x165667B1) & _M32)
+    col = torch.arange(col_offset, col_offset + num_cols, device=seeds.device, dtype=torch.int64)
+    return _mix32((row_key[:, None] ^ ((col[None, :] * 0x27D4EB2F) & _M32)) + 0x61C88647 & _M32)
+
+
+# A uniform is the top 23 bits of a hash as (k + 0.5) / 2**23: every such value is exact in
+# float32 and strictly inside (0, 1). With 24 bits, k + 0.5 needed 25 bits of mantissa and the
+# largest k rounded up to 2**24: u was exactly 1, its Gumbel noise +inf, and that vocabulary
+# entry won the draw whatever its logit (one draw in ~110 over Qwen's 151,936 entries), even a
+# masked one (-inf + inf is NaN, which torch's max takes). kernels/sampling.py does the same.
+UNIFORM_BITS = 23
+
+
 def uniform_noise(
     seeds: torch.Tensor, positions: torch.Tensor, num_cols: int, col_offset: int = 0
 ) -> torch.Tensor:
-    """[B, num_cols] uniforms in (0, 1), a pure function of (seed, position, vocab index) for
-    the vocabulary entries col_offset .. col_offset + num_cols - 1."""
-    row_key = _mix32((seeds * 0x9E3779B1 + positions * 0x85EBCA77 + 0x165667B1) & _M32)
-    col = torch.arange(col_offset, col_offset + num_cols, device=seeds.device, dtype=torch.int64)
-    bits = _mix32((row_key[:, None] ^ ((col[None, :] * 0x27D4EB2F) & _M32)) + 0x61C88647 & _M32)
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    """[B, num_cols] uniforms in (0, 1), a pure function of (seed, position, vocab index)."""
+    bits = noise_bits(seeds, positions, num_cols, col_offset)
+    return ((bits >> (32 - UNIFORM_BITS)).to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
 
 
 def _apply_filters(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -86,7 +86,7 @@ def _gumbel_argmax_chunk_kernel(
         if temperature > 0:
             vocab_cols = (cols + col_offset).to(tl.uint32)
             bits = _mix32((row_key ^ (vocab_cols * 0x27D4EB2F)) + 0x61C88647)
-            u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # sampler.UNIFORM_BITS: 23
             x = x * inv_t - tl.log(-tl.log(u))
             x = tl.where(mask, x, float("-inf"))
         better = x > lane_val

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minfer import LLM, SamplingParams
-from minfer.engine.sampler import SamplingTensors, _argmax, sample, uniform_noise
+from minfer.engine.sampler import SamplingTensors, _argmax, noise_bits, sample, uniform_noise
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,27 @@ def test_noise_is_uniform_and_keyed():
     assert abs(u.mean().item() - 0.5) < 0.01
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     assert torch.equal(u[0], uniform_noise(seeds[:1], pos[:1], 50_000)[0])
+
+
+# Seed 0 at position 8010: vocabulary entry 58's hash has its top 24 bits set, the draw on which
+# the 24-bit uniform was exactly 1 (its noise +inf): the entry won whatever its logit.
+TOP_HASH = (0, 8010, 58)
+
+
+def test_the_largest_hash_gives_finite_noise_and_cannot_overrule_the_logits():
+    seed, position, column = TOP_HASH
+    bits = noise_bits(torch.tensor([seed]), torch.tensor([position]), column + 1)[0, column].item()
+    assert bits >> 8 == (1 << 24) - 1  # the premise: the largest uniform of any draw
+    u = uniform_noise(torch.tensor([seed]), torch.tensor([position]), column + 1)[0, column]
+    assert 0 < u < 1 and torch.isfinite(-torch.log(-torch.log(u)))
+    vocab = 3000
+    logits = torch.zeros(3, vocab)
+    logits[0, column] = -30.0  # e**-30 of the others' weight
+    logits[1, column] = float("-inf")  # masked (a grammar, logit_bias)
+    logits[2, column] = float("-inf")
+    params = [SamplingParams(temperature=1.0)] * 2 + [SamplingParams(temperature=1.0, top_k=5)]
+    st = SamplingTensors.build(params, [seed] * 3, [position] * 3, vocab, torch.device("cpu"))
+    assert column not in sample(logits, st).tolist()
 
 
 def _tensors(params, vocab):

@@ -47,6 +47,22 @@ def test_gumbel_argmax_across_chunks_and_ties(device, chunk):
     assert got == sample(logits, st).tolist()
 
 
+def test_the_largest_hash_cannot_overrule_the_logits(device):
+    """The draw whose 24-bit uniform was exactly 1 (tests/engine/test_sampling.py, TOP_HASH):
+    the kernel's noise is finite there too, so an entry of logit -30 does not win."""
+    seed, position, column = 0, 8010, 58
+    vocab = 3000
+    logits = torch.zeros(2, vocab)
+    logits[0, column] = -30.0
+    logits[1, column] = float("-inf")
+    st = SamplingTensors.build(
+        [SamplingParams(temperature=1.0)] * 2, [seed] * 2, [position] * 2, vocab, torch.device("cpu")
+    )
+    got = _kernel_tokens(logits, st, device)
+    assert column not in got
+    assert got == sample(logits, st).tolist()
+
+
 def test_small_batches_take_small_chunks(monkeypatch):
     """On an H200's 132 SMs: batches of 1-3 over Qwen3's vocabulary (38 large chunks a row)
     take small chunks (149 programs at batch 1), from 4 rows the large ones."""
