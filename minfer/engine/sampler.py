@@ -129,7 +129,11 @@ def uniform_noise(
     seeds: torch.Tensor, positions: torch.Tensor, num_cols: int, col_offset: int = 0
 ) -> torch.Tensor:
     """[B, num_cols] uniforms in (0, 1), a pure function of (seed, position, vocab index)."""
-    bits = noise_bits(seeds, positions, num_cols, col_offset)
+    return uniform_of_bits(noise_bits(seeds, positions, num_cols, col_offset))
+
+
+def uniform_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in (0, 1) from 32-bit hashes held in int64 (see UNIFORM_BITS)."""
     return ((bits >> (32 - UNIFORM_BITS)).to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
 
 

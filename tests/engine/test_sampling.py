@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from minfer import LLM, SamplingParams
-from minfer.engine.sampler import SamplingTensors, _argmax, noise_bits, sample, uniform_noise
+from minfer.engine.sampler import (
+    SamplingTensors,
+    _argmax,
+    noise_bits,
+    sample,
+    uniform_noise,
+    uniform_of_bits,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +47,16 @@ def test_noise_is_uniform_and_keyed():
     assert abs(u.mean().item() - 0.5) < 0.01
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     assert torch.equal(u[0], uniform_noise(seeds[:1], pos[:1], 50_000)[0])
+
+
+def test_every_hash_gives_a_uniform_inside_the_interval_and_finite_noise():
+    """All 2**23 values the hash's top bits take (its low bits do not count): the uniform is
+    strictly inside (0, 1), so the Gumbel noise -log(-log(u)) is finite for every draw."""
+    bits = (torch.arange(1 << 23, dtype=torch.int64) << 9) | 0x1FF
+    u = uniform_of_bits(bits)
+    assert u.min() > 0 and u.max() < 1
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+    assert torch.unique(u).numel() == 1 << 23  # every value distinct: no two hashes share a draw
 
 
 # Seed 0 at position 8010: vocabulary entry 58's hash has its top 24 bits set, the draw on which
