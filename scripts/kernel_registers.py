@@ -6,6 +6,7 @@ are the launch's limit; setmaxnreg moves them between its partitions at run time
     python3 scripts/kernel_registers.py                 # decode and extend, uncapped
     python3 scripts/kernel_registers.py --caps 168 128  # also with those register caps (maxnreg)
     python3 scripts/kernel_registers.py --gemv          # gemv at the decode shapes instead
+    python3 scripts/kernel_registers.py --sampler --ops sampler  # the sampler, both logarithms
     python3 scripts/kernel_registers.py --ops "long"    # and the SASS instruction mix of those
 
 Why: on the GPU, whether a launch fits 2 or 3 programs per SM decided the fp8 decode kernel's
@@ -45,6 +46,7 @@ from minfer.kernels import (  # noqa: E402
     attention_extend_wgmma,
     decode_split_kernel,
     gemv,
+    sampling,
 )
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -62,8 +64,21 @@ INDEX_ARGS = (
 )
 
 
+# The sampler's arguments that the attention kernels' naming would get wrong
+SAMPLER_ARGS = {
+    "logits_ptr": "*fp32",
+    "temperature_ptr": "*fp32",
+    "seeds_ptr": "*i64",
+    "positions_ptr": "*i64",
+    "best_val_ptr": "*fp32",
+    "best_idx_ptr": "*i32",
+}
+
+
 def arg_type(name: str, pool: str) -> str:
     """Triton's type string for a kernel argument, from the naming the attention kernels use."""
+    if pool == "fp32" and name in SAMPLER_ARGS:
+        return SAMPLER_ARGS[name]
     if name in ("k_ptr", "v_ptr"):
         return "*" + pool
     if name in ("k_desc", "v_desc"):  # the Gluon kernel's TMA descriptors over the pools
@@ -231,6 +246,14 @@ def gluon_cases():
     yield "extend bf16    long Gluon tiled", aw._extend_wgmma_kernel, "bf16", constexprs, 4, 1, aw.MAXNREG
 
 
+def sampler_cases():
+    """The fused sampler's first pass (kernels/sampling.py) with libdevice's and MUFU logarithms."""
+    for fast in (False, True):
+        constexprs = dict(CHUNK=sampling.CHUNK, BLOCK=sampling.BLOCK, FAST=fast)
+        label = f"sampler {'lg2.approx' if fast else 'libdevice log'}"
+        yield label, sampling._gumbel_argmax_chunk_kernel, "fp32", constexprs, 4, 3, None
+
+
 def gemv_cases():
     """gemv's launches at the one-row (and two-row) decode shapes, plain and with the prologue
     the engine would give it (MINFER_GEMV_PROLOGUE=on), and gate_up with the SiLU as its
@@ -276,6 +299,7 @@ def main() -> None:
     parser.add_argument(
         "--gemv", action="store_true", help="gemv's launches instead of the attention kernels"
     )
+    parser.add_argument("--sampler", action="store_true", help="the sampler's first pass instead")
     parser.add_argument(
         "--ops", metavar="TEXT", help="also print the SASS instruction mix of launches whose name has TEXT"
     )
@@ -286,7 +310,10 @@ def main() -> None:
     print(
         f"{'launch':32s} {'cap':>5s} {'registers':>9s} {'spill B':>7s} {'shared B':>8s} {'programs/SM':>11s}"
     )
-    launches = gemv_cases() if args.gemv else itertools.chain(cases(), gluon_cases())
+    if args.sampler:
+        launches = sampler_cases()
+    else:
+        launches = gemv_cases() if args.gemv else itertools.chain(cases(), gluon_cases())
     for label, kernel, pool, constexprs, warps, stages, engine_cap in launches:
         if args.only and args.only not in label:
             continue

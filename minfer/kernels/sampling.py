@@ -14,7 +14,19 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import num_sms
+from minfer.kernels.common import INTERPRET, num_sms
+
+# The noise's outer logarithm as MUFU lg2.approx instead of libdevice's logf (a range reduction
+# and a polynomial of ~20 instructions; the kernel's two logs bound it at large batches). Its
+# error, at most 2**-22 absolute on [0.5, 2] and 2 ulp elsewhere, moves the noise by < 1e-6,
+# under the float32 rounding of the logits it perturbs. The inner one, log(u), stays libdevice's:
+# u reaches 1 - 2**-24, where log(u) = -6e-8 and an absolute error of 2**-22 would make -log(u)
+# zero or negative, the noise +inf or NaN (the draws that would differ are those of the largest
+# noise, the likeliest winners). H100: 114.2 -> 87.6 us at 256 rows, no draw of 10,240 different
+# (docs/BENCHMARKS.md, thirty-sixth session). The CPU interpreter cannot run PTX and takes
+# tl.log. A module attribute, so that an A/B script can switch it (scripts/gpu_sampler_ab.py).
+FAST_LOG = not INTERPRET.value
+_LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -28,6 +40,17 @@ def _mix32(x):
     x = x ^ (x >> 15)
     x = x * 0x846CA68B
     return x ^ (x >> 16)
+
+
+@triton.jit
+def _ln(x, FAST: tl.constexpr):
+    """log(x) for x > 0 (see FAST_LOG)."""
+    if FAST:
+        log2 = tl.inline_asm_elementwise(
+            "lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return log2 * _LN2
+    return tl.log(x)
 
 
 # Each program scans CHUNK vocabulary entries of one row, BLOCK at a time. One program per
@@ -64,6 +87,7 @@ def _gumbel_argmax_chunk_kernel(
     num_chunks,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """Pass 1, grid (row, chunk): the best perturbed logit of one chunk of one row. Column c
     of `logits` is vocabulary entry col_offset + c (a TP rank's shard starts there), and its
@@ -87,7 +111,8 @@ def _gumbel_argmax_chunk_kernel(
             vocab_cols = (cols + col_offset).to(tl.uint32)
             bits = _mix32((row_key ^ (vocab_cols * 0x27D4EB2F)) + 0x61C88647)
             u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # sampler.UNIFORM_BITS: 23
-            x = x * inv_t - tl.log(-tl.log(u))
+            # the inner logarithm exact (libdevice), the outer one MUFU: see FAST_LOG
+            x = x * inv_t - _ln(-tl.log(u), FAST)
             x = tl.where(mask, x, float("-inf"))
         better = x > lane_val
         lane_val = tl.where(better, x, lane_val)
@@ -177,6 +202,7 @@ def gumbel_best(
             num_chunks,
             CHUNK=chunk,
             BLOCK=BLOCK,
+            FAST=FAST_LOG,
             num_warps=4,
         )
         _pick_best_chunk_kernel[(batch,)](
