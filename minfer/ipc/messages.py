@@ -109,7 +109,7 @@ class TokenOutputs(Message):
     uids: list[int]
     token_ids: list[int | None]  # None: the request ended without a new token (abort)
     finish_reasons: list[str | None]
-    stop_reasons: list[int | None]
+    stop_reasons: list[int | str | None]  # a stop token id; with an abort, why, when known
     # uid -> (queue_s, prefill_s) of the requests whose first token is in this message.
     first_token_timings: dict[int, tuple[float, float]] = msgspec.field(default_factory=dict)
     # uid -> logprobs of its token in this message / of its prompt (with the first token only).

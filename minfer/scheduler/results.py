@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from minfer.core import Batch, FinishReason, Req, TokenLogprobs
 from minfer.engine.engine import ForwardResult
 from minfer.observability.scheduler_trace import NullSchedulerTrace
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -16,7 +19,8 @@ class StepOutput:
     uid: int
     token_id: int | None
     finish_reason: FinishReason | None = None
-    stop_reason: int | None = None  # the stop token id that ended it, when one did
+    # The stop token id that ended it, when one did; with an abort, why (a sentence), when known.
+    stop_reason: int | str | None = None
     logprobs: TokenLogprobs | None = None  # of token_id, when the request asked
     prompt_logprobs: TokenLogprobs | None = None  # with the first token, when the request asked
 
@@ -42,10 +46,15 @@ def read_results(
         trace.token_sampled(req, token)
         req.token_ids.append(token)
         reason, stop_reason = finish_reason(req, token, max_model_len)
-        if req.grammar is not None and not reason:
-            req.grammar.accept_token(token)
-            if req.grammar.is_terminated():
-                reason = FinishReason.STOP
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            # The grammar's mask allows only tokens it accepts, so this is a defect (a row of NaN
+            # logits, a mask applied to the wrong row): end the request loudly, saying why, rather
+            # than let it go on producing text outside the format the client asked for.
+            reason = FinishReason.ABORT
+            stop_reason = f"internal error: sampled token {token} breaks the request's output grammar"
+            logger.error("request %d: %s; aborted", req.uid, stop_reason)
+        elif req.grammar is not None and req.grammar.is_terminated():
+            reason = reason or FinishReason.STOP
         if reason:
             ending.append((req, reason))
         out = StepOutput(req.uid, token, reason, stop_reason)
