@@ -1,8 +1,8 @@
-"""The fused Gumbel-max sampler with the noise's outer logarithm as MUFU lg2.approx against
-libdevice's logf (kernels/sampling.py, FAST_LOG), on a GPU: microseconds per call replayed in a
-CUDA graph at Qwen3's vocabulary, and how often the two draw different tokens. Measured on an
-H100 (docs/BENCHMARKS.md, thirty-sixth session): 114.2 -> 87.6 us at 256 rows, 0 of 10,240
-draws different.
+"""The fused Gumbel-max sampler's logarithms (kernels/sampling.py, FAST_LOG and SERIES_LOG) on a
+GPU: both libdevice's logf, the outer one MUFU lg2.approx, and the inner one too (MUFU with the
+series near u = 1); microseconds per call replayed in a CUDA graph at Qwen3's vocabulary, and
+how often each draws other tokens than both-libdevice. Measured on an H100 (docs/BENCHMARKS.md,
+thirty-sixth session): outer MUFU 114.2 -> 87.6 us at 256 rows, 0 of 10,240 draws different.
 
     PYTHONPATH=$PWD python3 scripts/gpu_sampler_ab.py [--vocab 151936] [--batches 1 16 64 128 256]
 """
@@ -25,8 +25,16 @@ def _inputs(batch: int, vocab: int, seed: int):
     return logits, temperature, seeds, positions
 
 
-def _time_us(batch: int, vocab: int, fast: bool, calls: int = 50, rounds: int = 5) -> float:
-    sampling.FAST_LOG = fast
+# label: (FAST_LOG, SERIES_LOG)
+VARIANTS = {"libdevice": (False, False), "outer MUFU": (True, False), "+ series": (True, True)}
+
+
+def _use(variant: str) -> None:
+    sampling.FAST_LOG, sampling.SERIES_LOG = VARIANTS[variant]
+
+
+def _time_us(batch: int, vocab: int, variant: str, calls: int = 50, rounds: int = 5) -> float:
+    _use(variant)
     args = _inputs(batch, vocab, 0)
     out = torch.empty(batch, dtype=torch.int64, device="cuda")
     sampling.gumbel_argmax(*args, out=out)  # compile outside the capture
@@ -49,15 +57,15 @@ def _time_us(batch: int, vocab: int, fast: bool, calls: int = 50, rounds: int = 
     return best
 
 
-def _disagreements(vocab: int, batch: int, trials: int) -> tuple[int, int]:
+def _disagreements(vocab: int, batch: int, trials: int, variant: str) -> tuple[int, int]:
     differ = 0
     for trial in range(trials):
         args = _inputs(batch, vocab, trial + 1)
-        sampling.FAST_LOG = True
-        fast = sampling.gumbel_argmax(*args)
-        sampling.FAST_LOG = False
+        _use(variant)
+        drawn = sampling.gumbel_argmax(*args)
+        _use("libdevice")
         exact = sampling.gumbel_argmax(*args)
-        differ += int((fast != exact).sum())
+        differ += int((drawn != exact).sum())
     return differ, trials * batch
 
 
@@ -68,14 +76,16 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=40)
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}  vocab {args.vocab}  (us per call, best of 5 graph replays)")
-    print("batch  libdevice  lg2.approx")
+    names = list(VARIANTS)
+    print("batch  " + "  ".join(f"{n:>10}" for n in names))
     for batch in args.batches:
-        # alternate, so that a clock change between the two does not favour one
-        times = [_time_us(batch, args.vocab, fast) for fast in (False, True, False, True)]
-        exact, fast = min(times[0::2]), min(times[1::2])
-        print(f"{batch:5d}  {exact:9.1f}  {fast:10.1f}")
-    differ, draws = _disagreements(args.vocab, 256, args.trials)
-    print(f"different tokens: {differ} of {draws} draws (temperature 0.6)")
+        # interleaved, so that a clock change during the runs does not favour one
+        runs = [(n, _time_us(batch, args.vocab, n)) for _ in range(2) for n in names]
+        times = {n: min(t for m, t in runs if m == n) for n in names}
+        print(f"{batch:5d}  " + "  ".join(f"{times[n]:10.1f}" for n in names))
+    for name in names[1:]:
+        differ, draws = _disagreements(args.vocab, 256, args.trials, name)
+        print(f"{name}: {differ} of {draws} draws differ from libdevice's (temperature 0.6)")
 
 
 if __name__ == "__main__":

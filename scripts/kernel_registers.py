@@ -6,7 +6,7 @@ are the launch's limit; setmaxnreg moves them between its partitions at run time
     python3 scripts/kernel_registers.py                 # decode and extend, uncapped
     python3 scripts/kernel_registers.py --caps 168 128  # also with those register caps (maxnreg)
     python3 scripts/kernel_registers.py --gemv          # gemv at the decode shapes instead
-    python3 scripts/kernel_registers.py --sampler --ops sampler  # the sampler, both logarithms
+    python3 scripts/kernel_registers.py --sampler --ops sampler  # the sampler's logarithms
     python3 scripts/kernel_registers.py --ops "long"    # and the SASS instruction mix of those
 
 Why: on the GPU, whether a launch fits 2 or 3 programs per SM decided the fp8 decode kernel's
@@ -247,11 +247,16 @@ def gluon_cases():
 
 
 def sampler_cases():
-    """The fused sampler's first pass (kernels/sampling.py) with libdevice's and MUFU logarithms."""
-    for fast in (False, True):
-        constexprs = dict(CHUNK=sampling.CHUNK, BLOCK=sampling.BLOCK, FAST=fast)
-        label = f"sampler {'lg2.approx' if fast else 'libdevice log'}"
-        yield label, sampling._gumbel_argmax_chunk_kernel, "fp32", constexprs, 4, 3, None
+    """The fused sampler's first pass (kernels/sampling.py): both logarithms libdevice's, the
+    outer one MUFU, and also the inner one MUFU with the series near u = 1 (SERIES_LOG)."""
+    variants = {
+        "libdevice logs": (False, False),
+        "outer MUFU": (True, False),
+        "outer MUFU + series": (True, True),
+    }
+    for label, (fast, series) in variants.items():
+        constexprs = dict(CHUNK=sampling.CHUNK, BLOCK=sampling.BLOCK, FAST=fast, SERIES=series)
+        yield f"sampler {label}", sampling._gumbel_argmax_chunk_kernel, "fp32", constexprs, 4, 3, None
 
 
 def gemv_cases():

@@ -16,16 +16,21 @@ import triton.language as tl
 
 from minfer.kernels.common import INTERPRET, num_sms
 
-# The noise's outer logarithm as MUFU lg2.approx instead of libdevice's logf (a range reduction
-# and a polynomial of ~20 instructions; the kernel's two logs bound it at large batches). Its
-# error, at most 2**-22 absolute on [0.5, 2] and 2 ulp elsewhere, moves the noise by < 1e-6,
-# under the float32 rounding of the logits it perturbs. The inner one, log(u), stays libdevice's:
-# u reaches 1 - 2**-24, where log(u) = -6e-8 and an absolute error of 2**-22 would make -log(u)
-# zero or negative, the noise +inf or NaN (the draws that would differ are those of the largest
-# noise, the likeliest winners). H100: 114.2 -> 87.6 us at 256 rows, no draw of 10,240 different
-# (docs/BENCHMARKS.md, thirty-sixth session). The CPU interpreter cannot run PTX and takes
-# tl.log. A module attribute, so that an A/B script can switch it (scripts/gpu_sampler_ab.py).
+# The noise is -log(-log(u)); libdevice's logf (a range reduction and a polynomial of ~20
+# instructions) twice per logit bounded the kernel at large batches. The outer logarithm is MUFU
+# lg2.approx: its error, at most 2**-22 absolute on [0.5, 2] and 2 ulp elsewhere, moves the noise
+# by < 1e-6, under the float32 rounding of the logits it perturbs. The inner one cannot be MUFU
+# alone: u reaches 1 - 2**-23, where log(u) = -1.2e-7 and an absolute error of 2**-22 would make
+# -log(u) zero or negative, the noise +inf or NaN (the draws that would differ are those of the
+# largest noise, the likeliest winners). So near 1 (SERIES_LOG) it is the series
+# -log(1 - w) = w + w^2/2 + ... + w^6/6 of w = 1 - u, which the hash gives exactly, and MUFU only
+# below u = 15/16, where |log2 u| >= 0.093 keeps MUFU's relative error under 3e-6. H100, outer
+# MUFU alone: 114.2 -> 87.6 us at 256 rows, no draw of 10,240 different (docs/BENCHMARKS.md,
+# thirty-sixth session). The CPU interpreter cannot run PTX and takes tl.log where MUFU would
+# be (the series still runs there, so CPU tests check it). Module attributes, so that an A/B
+# script can switch them (scripts/gpu_sampler_ab.py).
 FAST_LOG = not INTERPRET.value
+SERIES_LOG = True
 _LN2 = tl.constexpr(0.6931471805599453)
 
 
@@ -51,6 +56,20 @@ def _ln(x, FAST: tl.constexpr):
         )
         return log2 * _LN2
     return tl.log(x)
+
+
+@triton.jit
+def _neg_log_uniform(bits, FAST: tl.constexpr, SERIES: tl.constexpr):
+    """-log(u) of the uniform u = ((bits >> 9) + 0.5) / 2**23 (sampler.UNIFORM_BITS: 23), in
+    (0, 16.6]: finite and positive for every hash (see FAST_LOG)."""
+    u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    if SERIES:
+        # 1 - u from the complement of the same 23 bits: (2**23 - 1 - k + 0.5) / 2**23, exact
+        w = (((~bits) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        # up to w^6/6: the next term is under 1e-8 of the sum for w < 1/16
+        series = w * (1.0 + w * (0.5 + w * (1.0 / 3.0 + w * (0.25 + w * (0.2 + w * (1.0 / 6.0))))))
+        return tl.where(w < 0.0625, series, -_ln(u, FAST))
+    return -tl.log(u)
 
 
 # Each program scans CHUNK vocabulary entries of one row, BLOCK at a time. One program per
@@ -88,6 +107,7 @@ def _gumbel_argmax_chunk_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     FAST: tl.constexpr,
+    SERIES: tl.constexpr,
 ):
     """Pass 1, grid (row, chunk): the best perturbed logit of one chunk of one row. Column c
     of `logits` is vocabulary entry col_offset + c (a TP rank's shard starts there), and its
@@ -110,9 +130,7 @@ def _gumbel_argmax_chunk_kernel(
         if temperature > 0:
             vocab_cols = (cols + col_offset).to(tl.uint32)
             bits = _mix32((row_key ^ (vocab_cols * 0x27D4EB2F)) + 0x61C88647)
-            u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # sampler.UNIFORM_BITS: 23
-            # the inner logarithm exact (libdevice), the outer one MUFU: see FAST_LOG
-            x = x * inv_t - _ln(-tl.log(u), FAST)
+            x = x * inv_t - _ln(_neg_log_uniform(bits, FAST, SERIES), FAST)
             x = tl.where(mask, x, float("-inf"))
         better = x > lane_val
         lane_val = tl.where(better, x, lane_val)
@@ -203,6 +221,7 @@ def gumbel_best(
             CHUNK=chunk,
             BLOCK=BLOCK,
             FAST=FAST_LOG,
+            SERIES=SERIES_LOG,
             num_warps=4,
         )
         _pick_best_chunk_kernel[(batch,)](
