@@ -47,12 +47,27 @@ class GrammarBackend:
             raise InvalidRequestError(f"invalid {spec.kind}: {e}", param) from None
         return self.xgr.GrammarMatcher(compiled)
 
-    def apply(self, logits: torch.Tensor, matchers: list) -> None:
-        """Mask, in place, the tokens each row's matcher forbids (None: the row is free)."""
+    def bitmask(self, matchers: list) -> torch.Tensor:
+        """The tokens each row's matcher allows next, as xgrammar's packed int32 bitmask [B,
+        ceil(V / 32)] on the CPU (None: the row allows everything)."""
         bitmask = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         for i, matcher in enumerate(matchers):
             if matcher is not None:
                 matcher.fill_next_token_bitmask(bitmask, i)
+        return bitmask
+
+    def allows_only(self, bitmask: torch.Tensor, row: int, tokens: set[int]) -> bool:
+        """Whether `row` of `bitmask` allows no token outside `tokens`."""
+        words = bitmask[row].to(torch.int64) & 0xFFFFFFFF
+        for t in tokens:
+            if 0 <= t < self.vocab_size:
+                words[t // 32] &= ~(1 << (t % 32))
+        if self.vocab_size % 32:  # the last word's bits past the vocabulary mean nothing
+            words[-1] &= (1 << (self.vocab_size % 32)) - 1
+        return not bool(words.any())
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Mask, in place, the tokens `bitmask` (from `bitmask`) forbids."""
         self.xgr.apply_token_bitmask_inplace(
             logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size
         )

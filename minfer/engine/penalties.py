@@ -51,9 +51,16 @@ def banned_tokens(r: Req) -> set[int]:
 
 
 def build_adjustments(
-    reqs: list[Req], page_table: PageTable, vocab_size: int, device: torch.device
+    reqs: list[Req],
+    page_table: PageTable,
+    vocab_size: int,
+    device: torch.device,
+    grammar_ended: frozenset[int] = frozenset(),
 ) -> LogitAdjustments | None:
-    """The adjustments for sampling one token of each request (rows in `reqs` order), or None."""
+    """The adjustments for sampling one token of each request (rows in `reqs` order), or None.
+    `grammar_ended`: rows whose grammar allows nothing but tokens that min_tokens bans; their
+    bans are lifted, because the output must match the grammar (with both, every token would
+    be -inf and the draw meaningless)."""
     penalised = [i for i, r in enumerate(reqs) if r.params.has_penalties]
     bias_rows, bias_tokens, bias_values = [], [], []
     ban_rows, ban_tokens = [], []
@@ -62,7 +69,7 @@ def build_adjustments(
             bias_rows.append(i)
             bias_tokens.append(token)
             bias_values.append(value)
-        for token in banned_tokens(r):
+        for token in () if i in grammar_ended else banned_tokens(r):
             ban_rows.append(i)
             ban_tokens.append(token)
     if not (penalised or bias_rows or ban_rows):

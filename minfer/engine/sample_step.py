@@ -18,7 +18,7 @@ from minfer.core import Req
 from minfer.device import to_device
 from minfer.engine.decode_inputs import DecodeInputs
 from minfer.engine.logprobs import LogprobTensors, reduce_logprobs
-from minfer.engine.penalties import apply_adjustments, build_adjustments
+from minfer.engine.penalties import apply_adjustments, banned_tokens, build_adjustments
 from minfer.engine.sampler import filters_apply, sample
 from minfer.engine.vocab_parallel import sample_vocab_parallel
 
@@ -45,8 +45,21 @@ def sample_step(
     vocabulary. `sampled_at`: the requests' device_len already on the device (a decode step's,
     engine/decode_inputs.py), else staged here."""
     logprob_rows = [j for j, r in enumerate(chosen) if r.params.logprobs is not None]
-    adjustments = build_adjustments(chosen, engine.page_table, engine.vocab_size, engine.device)
     has_grammar = any(r.grammar is not None for r in chosen)
+    grammar_mask, grammar_ended = None, frozenset()
+    if has_grammar:  # tp = 1 (Scheduler.add_request)
+        grammar = engine.grammar_backend()
+        grammar_mask = grammar.bitmask([r.grammar for r in chosen])
+        grammar_ended = frozenset(
+            i
+            for i, r in enumerate(chosen)
+            if r.grammar is not None
+            and (bans := banned_tokens(r))
+            and grammar.allows_only(grammar_mask, i, bans)
+        )
+    adjustments = build_adjustments(
+        chosen, engine.page_table, engine.vocab_size, engine.device, grammar_ended
+    )
     st = engine.sampling_tensors.get(chosen, engine.vocab_size, engine.device, sampled_at)
     if engine.tp.size > 1:
         whole_row_needed = (
@@ -66,8 +79,8 @@ def sample_step(
         raw_logits = logits[to_device(logprob_rows, torch.int64, engine.device)]
     if adjustments is not None:
         logits = apply_adjustments(logits, adjustments)  # raw_logits is a copy when needed
-    if has_grammar:
-        engine.grammar_backend().apply(logits, [r.grammar for r in chosen])
+    if grammar_mask is not None:
+        engine.grammar_backend().apply(logits, grammar_mask)
     next_tokens = sample(logits, st)
     sampled_logprobs = None
     if logprob_rows:

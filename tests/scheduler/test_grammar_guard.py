@@ -1,15 +1,19 @@
-"""A sampled token that its request's grammar rejects ends that request with an abort that says
-why (the token is returned with it, as sampled), and nothing else changes.
+"""A grammar and the sampler's other constraints: the grammar's end overrules min_tokens (with
+both, every logit was -inf and the draw returned token 0), and a sampled token that its
+request's grammar rejects ends that request with an abort that says why (the token is returned
+with it, as sampled), and nothing else changes.
 
-The grammar's mask makes such a token impossible unless something else is broken (a row of NaN
-logits, a mask applied to the wrong row); before this guard the scheduler ignored the matcher's
-refusal and returned text outside the format the client asked for. The fault is injected into
-one real pass's sampled tokens, the only way to produce it without the defect itself.
+The grammar's mask makes a rejected token impossible unless something else is broken (a row of
+NaN logits, a mask applied to the wrong row); before the guard the scheduler ignored the
+matcher's refusal and returned text outside the format the client asked for. That fault is
+injected into one real pass's sampled tokens, the only way to produce it without a defect.
 """
 
 from __future__ import annotations
 
 import re
+
+import pytest
 
 from minfer import LLM, SamplingParams
 from minfer.core import FinishReason, Phase, StructuredOutput
@@ -84,3 +88,31 @@ def test_constrained_request_alone_matches_its_regex(tiny_chat_model):
     out = llm.generate([list(range(20, 40))], constrained(), use_tqdm=False)[0]
     assert re.fullmatch("[ab]{6}", out.text)
     assert out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_grammar_end_overrules_min_tokens(tiny_chat_model, temperature):
+    """min_tokens bans EOS; a grammar that allows nothing but EOS left every logit -inf, and the
+    draw returned token 0 (aborted by the guard above, and before it, text outside the grammar).
+    The grammar's end wins: the request ends "stop" with its complete match."""
+    llm = LLM(tiny_chat_model, kv_cache_tokens=256, check_kv_invariants=True)
+    done = SamplingParams(
+        temperature=temperature,
+        max_tokens=10,
+        min_tokens=5,
+        seed=1,
+        structured_output=StructuredOutput("regex", "ab"),
+    )
+    out = llm.generate([list(range(20, 40))], done, use_tqdm=False)[0]
+    assert (out.text, out.finish_reason) == ("ab", "stop")
+    assert out.token_ids[-1] in llm.scheduler.engine.eos_token_ids
+
+
+def test_min_tokens_still_holds_where_the_grammar_can_go_on(tiny_chat_model):
+    """Where the grammar allows more than its end ("a+" after "a"), min_tokens keeps EOS banned."""
+    llm = LLM(tiny_chat_model, kv_cache_tokens=256, check_kv_invariants=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=12, min_tokens=6, structured_output=StructuredOutput("regex", "a+")
+    )
+    out = llm.generate([list(range(20, 40))], params, use_tqdm=False)[0]
+    assert re.fullmatch("a+", out.text) and len(out.token_ids) >= 6
