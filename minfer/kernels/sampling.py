@@ -64,8 +64,8 @@ def _neg_log_uniform(bits, FAST: tl.constexpr, SERIES: tl.constexpr):
     (0, 16.6]: finite and positive for every hash (see FAST_LOG)."""
     u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     if SERIES:
-        # 1 - u from the complement of the same 23 bits: (2**23 - 1 - k + 0.5) / 2**23, exact
-        w = (((~bits) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        # exact: 1 - u = (2**23 - k - 0.5) / 2**23 has 24 significant bits, as u has
+        w = 1.0 - u
         # up to w^6/6: the next term is under 1e-8 of the sum for w < 1/16
         series = w * (1.0 + w * (0.5 + w * (1.0 / 3.0 + w * (0.25 + w * (0.2 + w * (1.0 / 6.0))))))
         return tl.where(w < 0.0625, series, -_ln(u, FAST))
