@@ -17,7 +17,7 @@ import triton.language as tl
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
-# MINFER_PDL: "1" (the default) chains launches of at most CHAIN_ROWS rows and releases the rest,
+# MINFER_PDL: "1" (the default) chains the launches whose rows CHAIN_BANDS names and releases the rest,
 # each kernel releasing the next before its own wait (see pdl_start); "late" is "1" with the
 # release after the wait (the twenty-third session's default); "chain" chains every launch,
 # "release" none (the fifteenth session's), "0" turns programmatic dependent launch off. All but
@@ -35,8 +35,12 @@ CACHE_LINE = 128  # bytes: the granule of prefetch_l2
 # 25,177 -> 24,989 tok/s; docs/BENCHMARKS.md, eighteenth session). Since the split-K GEMM takes
 # part in a chain (its weight slice asked of L2 before its wait), chaining up to 64 rows was
 # measured (H100, twenty-sixth session): the 32-63 band 4.19 -> 4.10 ms a step, but 2-31 rows
-# 5-15% slower, offline neutral (20,974 / 21,001 -> 20,990 / 20,991 tok/s).
+# 5-15% slower, offline neutral (20,974 / 21,001 -> 20,990 / 20,991 tok/s). The 16-31 band
+# replays the 32-row graph, so 33-64 alone (the 48- and 64-row graphs) keeps that band's gain
+# without the loss: H100, one call, 21,157 / 21,146 -> 21,209 / 21,195 tok/s, the 32-63 band
+# 4.15 -> 4.07 ms, every other band equal (docs/BENCHMARKS.md, thirty-seventh session).
 CHAIN_ROWS = 2
+DEFAULT_CHAIN_BANDS = f"1-{CHAIN_ROWS},33-64"
 
 
 def parse_chain_bands(text: str) -> tuple[tuple[int, int], ...]:
@@ -51,8 +55,8 @@ def parse_chain_bands(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(bands)
 
 
-# Read at import, like MINFER_PDL; the default chains 1..CHAIN_ROWS rows.
-CHAIN_BANDS = parse_chain_bands(os.environ.get("MINFER_CHAIN_BANDS", f"1-{CHAIN_ROWS}"))
+# Read at import, like MINFER_PDL.
+CHAIN_BANDS = parse_chain_bands(os.environ.get("MINFER_CHAIN_BANDS", DEFAULT_CHAIN_BANDS))
 
 
 def chained_rows(rows: int) -> bool:
@@ -80,7 +84,7 @@ def pdl_enabled(device: torch.device) -> bool:
 def pdl_args(device: torch.device, rows: int) -> types.MappingProxyType:
     """Launch arguments of a kernel over `rows` rows (tokens, or requests of a decode step) that
     starts with `pdl_start`: PDL_RELEASE (let the next kernel start early) wherever PDL is
-    enabled; where the launch is chained (see CHAIN_ROWS) also PDL_WAIT and the launch
+    enabled; where the launch is chained (see CHAIN_BANDS) also PDL_WAIT and the launch
     attribute, so this kernel itself starts while the one before it finishes."""
     return _pdl_args(device, chained_rows(rows))
 

@@ -78,8 +78,8 @@ def decode_split_kernel(
 
     # Until pdl_start this reads only what no kernel of the step writes: the lengths, page table,
     # positions and slots the host staged, the cos/sin table, and the slots of the first key
-    # block, whose K and V rows (written by earlier steps) it asks L2 for. Launched early (batch
-    # <= CHAIN_ROWS), the kernel does this while the qkv product runs, so the chain after the
+    # block, whose K and V rows (written by earlier steps) it asks L2 for. Launched early (a batch
+    # CHAIN_BANDS names), the kernel does this while the qkv product runs, so the chain after the
     # wait (length -> page table -> slots -> keys) starts at the keys, from L2.
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(table_idx_ptr + b).to(tl.int64)

@@ -135,6 +135,9 @@ def test_pdl_modes_chain_the_launches_they_name(monkeypatch, mode, chained_rows)
 
 def test_chain_bands_name_the_rows_they_chain(monkeypatch):
     assert common.parse_chain_bands("1-2") == ((1, 2),)
+    monkeypatch.setattr(common, "CHAIN_BANDS", common.parse_chain_bands(common.DEFAULT_CHAIN_BANDS))
+    chained = [rows for rows in (1, 2, 3, 16, 32, 33, 48, 64, 65, 256) if common.chained_rows(rows)]
+    assert chained == [1, 2, 33, 48, 64]  # not the 32-row graph, which batches of 17-31 replay
     monkeypatch.setattr(common, "CHAIN_BANDS", common.parse_chain_bands("1-2, 32-64"))
     assert [rows for rows in (1, 2, 3, 31, 32, 64, 65) if common.chained_rows(rows)] == [1, 2, 32, 64]
     for bad in ("", "2", "3-1", "0-2", "1-x", "1-2;4-5"):
