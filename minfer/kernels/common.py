@@ -28,17 +28,12 @@ _PDL_MODES = ("0", "release", "1", "late", "chain")
 # Qwen3-0.6B, 3.956 -> 3.917 ms for Llama-3.1-8B (docs/BENCHMARKS.md, twenty-fourth session).
 EARLY_RELEASE = tl.constexpr(os.environ.get("MINFER_PDL", "1") != "late")
 CACHE_LINE = 128  # bytes: the granule of prefetch_l2
-# Chained (launched early, waiting at the first statement) only up to this many rows: there the
-# gemv between the kernels reads its weights early too and a step is mostly kernel boundaries
-# (H200, batch-1 graph 0.96 -> 0.83 ms for Qwen3-0.6B). From 3 rows up the products are the
-# split-K GEMM (up to 64 rows) or cuBLAS. Chaining every launch cost ~1% (offline Qwen3-0.6B
-# 25,177 -> 24,989 tok/s; docs/BENCHMARKS.md, eighteenth session). Since the split-K GEMM takes
-# part in a chain (its weight slice asked of L2 before its wait), chaining up to 64 rows was
-# measured (H100, twenty-sixth session): the 32-63 band 4.19 -> 4.10 ms a step, but 2-31 rows
-# 5-15% slower, offline neutral (20,974 / 21,001 -> 20,990 / 20,991 tok/s). The 16-31 band
-# replays the 32-row graph, so 33-64 alone (the 48- and 64-row graphs) keeps that band's gain
-# without the loss: H100, one call, 21,157 / 21,146 -> 21,209 / 21,195 tok/s, the 32-63 band
-# 4.15 -> 4.07 ms, every other band equal (docs/BENCHMARKS.md, thirty-seventh session).
+# Chained launches (started early, waiting at their first statement): one and two rows, where
+# the gemv between kernels reads its weights early and a step is mostly kernel boundaries (H200,
+# batch-1 graph 0.96 -> 0.83 ms for Qwen3-0.6B), and 33-64 rows, where the split-K GEMM asks L2
+# for its weight slice before its wait (H100, 32-63 band 4.15 -> 4.07 ms, offline +0.24%). Not
+# 3-32 rows (5-15% slower; batches of 17-31 replay the 32-row graph) nor cuBLAS's larger ones;
+# chaining every launch cost ~1% (docs/BENCHMARKS.md, eighteenth, twenty-sixth, thirty-seventh).
 CHAIN_ROWS = 2
 DEFAULT_CHAIN_BANDS = f"1-{CHAIN_ROWS},33-64"
 
