@@ -67,7 +67,7 @@ class GrammarBackend:
         return not bool(words.any())
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        """Mask, in place, the tokens `bitmask` (from `bitmask`) forbids."""
+        """Mask, in place, the tokens that `bitmask` (made by the method above) forbids."""
         self.xgr.apply_token_bitmask_inplace(
             logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size
         )

@@ -23,10 +23,10 @@ from minfer.kernels.common import INTERPRET, num_sms
 # alone: u reaches 1 - 2**-23, where log(u) = -1.2e-7 and an absolute error of 2**-22 would make
 # -log(u) zero or negative, the noise +inf or NaN (the draws that would differ are those of the
 # largest noise, the likeliest winners). So near 1 (SERIES_LOG) it is the series
-# -log(1 - w) = w + w^2/2 + ... + w^6/6 of w = 1 - u, which the hash gives exactly, and MUFU only
-# below u = 15/16, where |log2 u| >= 0.093 keeps MUFU's relative error under 3e-6. H100, outer
-# MUFU alone: 114.2 -> 87.6 us at 256 rows, no draw of 10,240 different (docs/BENCHMARKS.md,
-# thirty-sixth session). The CPU interpreter cannot run PTX and takes tl.log where MUFU would
+# -log(1 - w) = w + w^2/2 + ... + w^6/6 of w = 1 - u (an exact subtraction), and MUFU only
+# below u = 15/16, where |log2 u| >= 0.093 keeps MUFU's relative error under 3e-6. H100, 256
+# rows: 114.1 us with libdevice's logs, 87.1 with the outer one MUFU, 70.5 with both; no draw of
+# 5,120 different (docs/BENCHMARKS.md, thirty-seventh session). The CPU interpreter cannot run PTX and takes tl.log where MUFU would
 # be (the series still runs there, so CPU tests check it). Module attributes, so that an A/B
 # script can switch them (scripts/gpu_sampler_ab.py).
 FAST_LOG = not INTERPRET.value
