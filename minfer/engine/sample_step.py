@@ -37,6 +37,22 @@ def draws_plainly(r: Req) -> bool:
     return plain and r.grammar is None
 
 
+def _grammar_masks(engine: Engine, chosen: list[Req]) -> tuple[torch.Tensor | None, frozenset[int]]:
+    """The grammar rows' bitmask (None without grammar rows; they need tp = 1, see
+    Scheduler.add_request), and the rows whose grammar allows nothing but tokens that min_tokens
+    bans (penalties.build_adjustments lifts those bans)."""
+    if all(r.grammar is None for r in chosen):
+        return None, frozenset()
+    grammar = engine.grammar_backend()
+    mask = grammar.bitmask([r.grammar for r in chosen])
+    ended = frozenset(
+        i
+        for i, r in enumerate(chosen)
+        if r.grammar is not None and (bans := banned_tokens(r)) and grammar.allows_only(mask, i, bans)
+    )
+    return mask, ended
+
+
 def sample_step(
     engine: Engine, chosen: list[Req], logits: torch.Tensor, sampled_at: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, LogprobTensors | None, list[int]]:
@@ -45,18 +61,7 @@ def sample_step(
     vocabulary. `sampled_at`: the requests' device_len already on the device (a decode step's,
     engine/decode_inputs.py), else staged here."""
     logprob_rows = [j for j, r in enumerate(chosen) if r.params.logprobs is not None]
-    has_grammar = any(r.grammar is not None for r in chosen)
-    grammar_mask, grammar_ended = None, frozenset()
-    if has_grammar:  # tp = 1 (Scheduler.add_request)
-        grammar = engine.grammar_backend()
-        grammar_mask = grammar.bitmask([r.grammar for r in chosen])
-        grammar_ended = frozenset(
-            i
-            for i, r in enumerate(chosen)
-            if r.grammar is not None
-            and (bans := banned_tokens(r))
-            and grammar.allows_only(grammar_mask, i, bans)
-        )
+    grammar_mask, grammar_ended = _grammar_masks(engine, chosen)
     adjustments = build_adjustments(
         chosen, engine.page_table, engine.vocab_size, engine.device, grammar_ended
     )
@@ -65,7 +70,7 @@ def sample_step(
         whole_row_needed = (
             logprob_rows
             or adjustments is not None
-            or has_grammar
+            or grammar_mask is not None
             or any(filters_apply(r.params) for r in chosen)
         )
         lm_head = engine.model.lm_head

@@ -26,9 +26,9 @@ from minfer.kernels.common import INTERPRET, num_sms
 # -log(1 - w) = w + w^2/2 + ... + w^6/6 of w = 1 - u (an exact subtraction), and MUFU only
 # below u = 15/16, where |log2 u| >= 0.093 keeps MUFU's relative error under 3e-6. H100, 256
 # rows: 114.1 us with libdevice's logs, 87.1 with the outer one MUFU, 70.5 with both; no draw of
-# 5,120 different (docs/BENCHMARKS.md, thirty-seventh session). The CPU interpreter cannot run PTX and takes tl.log where MUFU would
-# be (the series still runs there, so CPU tests check it). Module attributes, so that an A/B
-# script can switch them (scripts/gpu_sampler_ab.py).
+# 5,120 different (docs/BENCHMARKS.md, thirty-seventh session). The CPU interpreter cannot run
+# PTX and takes tl.log where MUFU would be (the series still runs there, so CPU tests check it).
+# Module attributes, so that an A/B script can switch them (scripts/gpu_sampler_ab.py).
 FAST_LOG = not INTERPRET.value
 SERIES_LOG = True
 _LN2 = tl.constexpr(0.6931471805599453)
