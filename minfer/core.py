@@ -138,12 +138,22 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return self.temperature == 0 or self.top_k == 1
 
 
+# The draw's answer for a row with no finite logit to draw from (all -inf, NaN or +inf): a model
+# that produced NaN, or bans covering the whole vocabulary (min_tokens with stop tokens, a grammar
+# that allows only banned tokens). An argmax would give token 0 there, a wrong token nobody would
+# notice; the scheduler ends the request with an error instead (scheduler/results.py). Only the
+# host sees it: what the device keeps takes a real id (engine/sampler.py, table_token).
+NO_TOKEN = -1
+
+
 class FinishReason(str, Enum):
     """Why a request ended; a str, so it compares, encodes and prints as "stop" | "length" | "abort"."""
 
     STOP = "stop"  # an EOS or stop token, a stop string, or the grammar's end
     LENGTH = "length"  # max_tokens, or the context is full
-    ABORT = "abort"  # the client went away, asked to abort, timed out, or the server stopped
+    # the client went away, asked to abort, timed out, or the server stopped; or an internal
+    # error ended this request alone (stop_reason says which: scheduler/results.py)
+    ABORT = "abort"
 
     def __str__(self) -> str:
         return self.value
@@ -204,7 +214,10 @@ class Req:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
+        """The output's tokens, without a last NO_TOKEN (the position of a pass that had nothing
+        to draw, which ended the request: scheduler/results.py)."""
+        end = len(self.token_ids) - (self.token_ids[-1] == NO_TOKEN)
+        return self.token_ids[self.prompt_len : end]
 
     @property
     def finished(self) -> bool:

@@ -19,7 +19,7 @@ from minfer.device import to_device
 from minfer.engine.decode_inputs import DecodeInputs
 from minfer.engine.logprobs import LogprobTensors, reduce_logprobs
 from minfer.engine.penalties import apply_adjustments, banned_tokens, build_adjustments
-from minfer.engine.sampler import filters_apply, sample
+from minfer.engine.sampler import filters_apply, sample, table_token
 from minfer.engine.vocab_parallel import sample_vocab_parallel
 
 if TYPE_CHECKING:
@@ -56,8 +56,8 @@ def _grammar_masks(engine: Engine, chosen: list[Req]) -> tuple[torch.Tensor | No
 def sample_step(
     engine: Engine, chosen: list[Req], logits: torch.Tensor, sampled_at: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, LogprobTensors | None, list[int]]:
-    """(next tokens [B], logprobs of the sampled tokens or None, the rows of `chosen` those
-    logprobs belong to). `logits` is float32 [B, vocab], or [B, shard] when TP splits the
+    """(next tokens [B] (NO_TOKEN where a row had nothing to draw), logprobs of the sampled
+    tokens or None, the rows of `chosen` those logprobs belong to). `logits` is float32 [B, vocab], or [B, shard] when TP splits the
     vocabulary. `sampled_at`: the requests' device_len already on the device (a decode step's,
     engine/decode_inputs.py), else staged here."""
     logprob_rows = [j for j, r in enumerate(chosen) if r.params.logprobs is not None]
@@ -89,7 +89,7 @@ def sample_step(
     next_tokens = sample(logits, st)
     sampled_logprobs = None
     if logprob_rows:
-        targets = next_tokens[to_device(logprob_rows, torch.int64, engine.device)]
+        targets = table_token(next_tokens[to_device(logprob_rows, torch.int64, engine.device)])
         k = max(chosen[j].params.logprobs for j in logprob_rows)
         sampled_logprobs = reduce_logprobs(raw_logits, targets, k)
     return next_tokens, sampled_logprobs, logprob_rows
@@ -108,5 +108,5 @@ def sample_into_table(
         flat = [engine.page_table.flat_index(r.table_idx, r.device_len) for r in chosen]
         flat = to_device(flat, torch.int64, engine.device)
     next_tokens, sampled_logprobs, logprob_rows = sample_step(engine, chosen, logits, sampled_at)
-    engine.page_table.scatter_tokens_at(flat, next_tokens)
+    engine.page_table.scatter_tokens_at(flat, table_token(next_tokens))
     return next_tokens, sampled_logprobs, logprob_rows

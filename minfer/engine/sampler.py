@@ -14,10 +14,21 @@ from dataclasses import dataclass
 
 import torch
 
-from minfer.core import SamplingParams
+from minfer.core import NO_TOKEN, SamplingParams
 from minfer.device import to_device
 
 _M32 = 0xFFFFFFFF
+
+
+def table_token(tokens: torch.Tensor) -> torch.Tensor:
+    """`tokens` with NO_TOKEN replaced by a real id (0), for what indexes with them on the
+    device: the token table, which the next pass may already be reading, and logprob targets."""
+    return tokens.clamp(min=0)
+
+
+def mark_undrawable(tokens: torch.Tensor, chosen_values: torch.Tensor) -> torch.Tensor:
+    """tokens, NO_TOKEN where the value that won the row's draw is not finite."""
+    return torch.where(chosen_values.isfinite(), tokens, NO_TOKEN)
 
 
 @dataclass
@@ -162,19 +173,20 @@ def _argmax(values: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] int64."""
+    """logits [B, V] float32 -> token ids [B] int64, NO_TOKEN for a row without a finite logit."""
     if logits.is_cuda and not (st.any_top_k or st.any_top_p or st.any_min_p):
         from minfer.kernels.sampling import gumbel_argmax
 
         return gumbel_argmax(logits, st.temperature, st.seeds, st.positions)
-    greedy_tokens = _argmax(logits)
-    if st.all_greedy:
-        return greedy_tokens
-    temperature = torch.where(st.temperature > 0, st.temperature, 1.0)
-    scaled = _apply_filters(logits / temperature[:, None], st)
-    gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, st.positions, logits.shape[-1])))
-    sampled_tokens = _argmax(scaled + gumbel)
-    return torch.where(st.temperature > 0, sampled_tokens, greedy_tokens)
+    tokens = _argmax(logits)  # the greedy rows' draw
+    if not st.all_greedy:
+        temperature = torch.where(st.temperature > 0, st.temperature, 1.0)
+        scaled = _apply_filters(logits / temperature[:, None], st)
+        gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, st.positions, logits.shape[-1])))
+        tokens = torch.where(st.temperature > 0, _argmax(scaled + gumbel), tokens)
+    # The filters keep at least the largest logit and the noise is finite, so a row's winner
+    # has a finite logit exactly when the row has one (with a NaN, max took the NaN).
+    return mark_undrawable(tokens, logits.gather(1, tokens[:, None]).squeeze(1))
 
 
 def filters_apply(params: SamplingParams) -> bool:
@@ -193,7 +205,8 @@ def best_of_shard(
         from minfer.kernels.sampling import gumbel_best
 
         cols, values = gumbel_best(logits, st.temperature, st.seeds, st.positions, col_offset)
-        return cols + col_offset, values
+        # a shard without a finite logit says NO_TOKEN; its -inf value loses the reduction
+        return table_token(cols) + col_offset, values
     if st.all_greedy:
         values, cols = logits.max(dim=-1)
         return cols + col_offset, values

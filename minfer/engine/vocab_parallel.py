@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from minfer.distributed.parallel import TPGroup
-from minfer.engine.sampler import SamplingTensors, best_of_shard
+from minfer.engine.sampler import SamplingTensors, best_of_shard, mark_undrawable
 
 _LOW = (1 << 32) - 1
 
@@ -36,6 +36,12 @@ def unpack_tokens(keys: torch.Tensor) -> torch.Tensor:
     return _LOW - (keys & _LOW)
 
 
+def unpack_values(keys: torch.Tensor) -> torch.Tensor:
+    """The float32 values of `pack`'s keys (the inverse of its order-preserving flip)."""
+    ordered = (keys >> 32).to(torch.int32)
+    return torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).view(torch.float32)
+
+
 def sample_vocab_parallel(
     shard_logits: torch.Tensor, st: SamplingTensors, tp: TPGroup, vocab_start: int, vocab_size: int
 ) -> torch.Tensor:
@@ -45,4 +51,5 @@ def sample_vocab_parallel(
     tokens, values = best_of_shard(shard_logits[:, :valid], st, vocab_start)
     if valid == 0:  # a shard of padding only (tiny vocabularies): never the winner
         values = torch.full_like(values, float("-inf"))
-    return unpack_tokens(tp.all_reduce_max(pack(values, tokens)))
+    keys = tp.all_reduce_max(pack(values, tokens))
+    return mark_undrawable(unpack_tokens(keys), unpack_values(keys))

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minfer.core import NO_TOKEN as _NO_TOKEN
 from minfer.kernels.common import INTERPRET, num_sms
 
 # The noise is -log(-log(u)); libdevice's logf (a range reduction and a polynomial of ~20
@@ -32,6 +33,7 @@ from minfer.kernels.common import INTERPRET, num_sms
 FAST_LOG = not INTERPRET.value
 SERIES_LOG = True
 _LN2 = tl.constexpr(0.6931471805599453)
+NO_TOKEN = tl.constexpr(_NO_TOKEN)
 
 
 @triton.jit
@@ -156,15 +158,19 @@ def _pick_best_chunk_kernel(
     BLOCK_C: tl.constexpr,
     WRITE_TABLE: tl.constexpr,
 ):
-    """Pass 2, grid (row,): the token of the best chunk (the first of equal ones) and its value;
-    with WRITE_TABLE also the token (int32) at flat index table_at[row] of the token table."""
+    """Pass 2, grid (row,): the token of the best chunk (the first of equal ones) and its value,
+    or NO_TOKEN where that value is not finite (pass 1 skips NaN, so a row of NaN and -inf
+    has -inf); with WRITE_TABLE also the token (int32) at flat index table_at[row] of the token
+    table, there always a real id (core.NO_TOKEN says why)."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     vals = tl.load(best_val_ptr + row * num_chunks + offs, mask=offs < num_chunks, other=float("-inf"))
     best = tl.argmax(vals, 0)
     token = tl.load(best_idx_ptr + row * num_chunks + best)
-    tl.store(out_ptr + row, token.to(tl.int64))
-    tl.store(out_val_ptr + row, tl.max(vals, 0))
+    best_val = tl.max(vals, 0)
+    drawable = (best_val > float("-inf")) & (best_val < float("inf"))
+    tl.store(out_ptr + row, tl.where(drawable, token, NO_TOKEN).to(tl.int64))
+    tl.store(out_val_ptr + row, best_val)
     if WRITE_TABLE:
         tl.store(table_ptr + tl.load(table_at_ptr + row), token.to(tl.int32))
 
@@ -178,8 +184,8 @@ def gumbel_argmax(
     out: torch.Tensor | None = None,
     table: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """logits [B, V] float32 (last dim contiguous) -> sampled token ids [B] int64, into `out`
-    when given. `table`: (the flattened int32 token table, [B] int64 flat indices) where each
+    """logits [B, V] float32 (last dim contiguous) -> sampled token ids [B] int64 (NO_TOKEN for
+    a row without a finite logit), into `out` when given. `table`: (the flattened int32 token table, [B] int64 flat indices) where each
     row's token is also written, in the same launch (a decode graph's draw: engine/cuda_graph.py)."""
     return gumbel_best(logits, temperature, seeds, positions, chunk=chunk, out=out, table=table)[0]
 

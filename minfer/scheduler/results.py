@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from minfer.core import Batch, FinishReason, Req, TokenLogprobs
+from minfer.core import NO_TOKEN, Batch, FinishReason, Req, TokenLogprobs
 from minfer.engine.engine import ForwardResult
 from minfer.observability.scheduler_trace import NullSchedulerTrace
 
@@ -45,6 +45,17 @@ def read_results(
             continue  # aborted, or ended by the previous pass while this one was in flight
         trace.token_sampled(req, token)
         req.token_ids.append(token)
+        if token == NO_TOKEN:
+            # The pass took the position, so the token list keeps its place (the request ends
+            # now; the last position never enters the prefix cache), but nothing reaches the client.
+            stop_reason = (
+                "internal error: no finite logit to draw a token from "
+                "(NaN model output, or bans covering the whole vocabulary)"
+            )
+            logger.error("request %d: %s; aborted", req.uid, stop_reason)
+            ending.append((req, FinishReason.ABORT))
+            outputs.append(StepOutput(req.uid, None, FinishReason.ABORT, stop_reason))
+            continue
         reason, stop_reason = finish_reason(req, token, max_model_len)
         if req.grammar is not None and not req.grammar.accept_token(token):
             # The grammar's mask allows only tokens it accepts, so this is a defect (a row of NaN

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from minfer import LLM, SamplingParams
+from minfer.core import NO_TOKEN
 from minfer.engine.sampler import (
     SamplingTensors,
     _argmax,
     noise_bits,
     sample,
+    table_token,
     uniform_noise,
     uniform_of_bits,
 )
@@ -168,3 +170,24 @@ def test_the_cache_rebuilds_whenever_the_requests_change_and_only_moves_position
             want.any_top_p,
             want.any_min_p,
         )
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)]
+)
+def test_a_row_without_a_finite_logit_draws_no_token(params):
+    """All -inf (every token banned), NaN (a broken model) or +inf: NO_TOKEN rather than the
+    argmax's silent 0; the other rows draw as they would alone, and table_token gives the
+    device a real id."""
+    torch.manual_seed(3)
+    vocab = 300
+    logits = torch.randn(4, vocab)
+    logits[0] = float("-inf")
+    logits[1, 17] = float("nan")
+    logits[2, 5] = float("inf")
+    st = SamplingTensors.build([params] * 4, [1, 2, 3, 4], [7] * 4, vocab, torch.device("cpu"))
+    drawn = sample(logits, st)
+    alone = SamplingTensors.build([params], [4], [7], vocab, torch.device("cpu"))
+    assert drawn[:3].tolist() == [NO_TOKEN] * 3
+    assert drawn[3] == sample(logits[3:], alone)[0] != NO_TOKEN
+    assert table_token(drawn).tolist() == [0, 0, 0, drawn[3].item()]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from minfer.core import SamplingParams
-from minfer.engine.sampler import SamplingTensors, best_of_shard, sample
-from minfer.engine.vocab_parallel import pack, unpack_tokens
+from minfer.core import NO_TOKEN, SamplingParams
+from minfer.distributed.parallel import TPGroup
+from minfer.engine.sampler import SamplingTensors, best_of_shard, mark_undrawable, sample
+from minfer.engine.vocab_parallel import pack, sample_vocab_parallel, unpack_tokens, unpack_values
 
 
 def test_pack_orders_by_value_then_lowest_index():
@@ -21,14 +22,18 @@ def test_pack_orders_by_value_then_lowest_index():
     assert unpack_tokens(keys).tolist() == tokens.tolist()
 
 
-def _draw_over_shards(logits: torch.Tensor, st: SamplingTensors, num_shards: int) -> list[int]:
+def _keys_over_shards(logits: torch.Tensor, st: SamplingTensors, num_shards: int) -> torch.Tensor:
     """What ranks of a TP group agree on: the MAX of each shard's packed (value, token)."""
     width = -(-logits.shape[1] // num_shards)
     keys = []
     for start in range(0, logits.shape[1], width):
         tokens, values = best_of_shard(logits[:, start : start + width], st, start)
         keys.append(pack(values, tokens))
-    return unpack_tokens(torch.stack(keys).max(dim=0).values).tolist()
+    return torch.stack(keys).max(dim=0).values
+
+
+def _draw_over_shards(logits: torch.Tensor, st: SamplingTensors, num_shards: int) -> list[int]:
+    return unpack_tokens(_keys_over_shards(logits, st, num_shards)).tolist()
 
 
 def test_shards_draw_the_whole_row_token():
@@ -54,3 +59,28 @@ def test_greedy_only_batch_over_shards():
         [SamplingParams(temperature=0)] * 3, [0, 0, 0], [1, 1, 1], 257, torch.device("cpu")
     )
     assert _draw_over_shards(logits, st, 2) == logits.argmax(dim=-1).tolist()
+
+
+def test_values_unpack_from_the_keys():
+    values = torch.tensor([-3.5, -0.0, 0.0, 2.25, float("-inf"), float("inf"), -1e-30, 7.0e30])
+    keys = pack(values, torch.arange(8))
+    assert torch.equal(unpack_values(keys), values)
+
+
+def test_a_row_without_a_finite_logit_draws_no_token_over_shards():
+    """A row with no finite logit in any shard is NO_TOKEN, as the whole-row draw says; a row
+    whose finite logits all sit in one shard draws from that shard."""
+    vocab = 200
+    logits = torch.randn(3, vocab)
+    logits[0] = float("-inf")
+    logits[1, :100] = float("-inf")
+    logits[2, 30] = float("nan")
+    st = SamplingTensors.build(
+        [SamplingParams(temperature=0.7)] * 3, [1, 2, 3], [4] * 3, vocab, torch.device("cpu")
+    )
+    expected = sample(logits, st).tolist()
+    assert expected[0] == expected[2] == NO_TOKEN and expected[1] >= 100
+    assert sample_vocab_parallel(logits, st, TPGroup(), 0, vocab).tolist() == expected  # one rank
+    for shards in (1, 2, 4):
+        keys = _keys_over_shards(logits, st, shards)
+        assert mark_undrawable(unpack_tokens(keys), unpack_values(keys)).tolist() == expected

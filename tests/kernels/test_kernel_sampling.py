@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minfer.core import SamplingParams
+from minfer.core import NO_TOKEN, SamplingParams
 from minfer.engine.sampler import SamplingTensors, sample
 from minfer.kernels.sampling import CHUNK, SMALL_CHUNK, chunk_for, gumbel_argmax
 
@@ -129,3 +129,31 @@ def test_the_draw_writes_each_token_into_the_token_table_and_out(device):
     untouched = torch.ones(flat.numel(), dtype=torch.bool)
     untouched[at.cpu()] = False
     assert (flat[untouched] == -1).all()
+
+
+def test_a_row_without_a_finite_logit_draws_no_token(device):
+    """A row of -inf (every token banned), of NaN, or with +inf has nothing to draw from: the
+    kernel says NO_TOKEN there, where an argmax said 0, while the token table gets a real id
+    (the next pass may read it). A row with some NaN but a finite logit draws among the finite."""
+    vocab = 2 * CHUNK + 10
+    logits = torch.randn(5, vocab)
+    logits[0] = float("-inf")
+    logits[1] = float("nan")
+    logits[2, 77] = float("inf")
+    logits[3, :100] = float("nan")
+    logits[3, 1234] = 40.0
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.7, 0.0, 0.0, 0.9)]
+    st = SamplingTensors.build(params, [1, 2, 3, 4, 5], [6] * 5, vocab, torch.device("cpu"))
+    tokens = torch.full((5,), 99, dtype=torch.int32, device=device)
+    drawn = gumbel_argmax(
+        logits.to(device),
+        st.temperature.to(device),
+        st.seeds.to(device),
+        st.positions.to(device),
+        table=(tokens, torch.arange(5, device=device)),
+    ).tolist()
+    assert drawn[:4] == [NO_TOKEN, NO_TOKEN, NO_TOKEN, 1234]
+    alone = SamplingTensors.build(params[4:], [5], [6], vocab, torch.device("cpu"))
+    assert drawn[4] == sample(logits[4:], alone).item() != NO_TOKEN
+    table = tokens.tolist()
+    assert all(0 <= t < vocab for t in table) and table[3:] == drawn[3:]
