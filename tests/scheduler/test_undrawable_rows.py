@@ -18,13 +18,14 @@ PLAIN = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT, OTHER_PROMPT = list(range(20, 40)), list(range(50, 75))
 
 
-def traced_llm(model: str, trace) -> LLM:
+def traced_llm(model: str, trace, **options) -> LLM:
     return LLM(
         model,
         kv_cache_tokens=256,
         disable_overlap_schedule=True,
         check_kv_invariants=True,
         trace_requests=str(trace),
+        **options,
     )
 
 
@@ -54,7 +55,8 @@ def test_nan_logits_end_only_their_request(tiny_chat_model, tmp_path, monkeypatc
     """One real decode pass whose logits for one request are NaN (a fault injected into the LM
     head's output): that request ends with an error and no token; the other one goes on."""
     expected_other = LLM(tiny_chat_model, kv_cache_tokens=256).generate([OTHER_PROMPT], PLAIN, use_tqdm=False)
-    llm = traced_llm(tiny_chat_model, tmp_path / "trace.jsonl")
+    # no CUDA graphs on a GPU: a replay would not call the patched compute_logits
+    llm = traced_llm(tiny_chat_model, tmp_path / "trace.jsonl", cuda_graph_max_bs=0)
     sched = llm.scheduler
     req = sched.add_request(PROMPT, PLAIN)
     other = sched.add_request(OTHER_PROMPT, PLAIN)
@@ -93,3 +95,31 @@ def test_nan_logits_end_only_their_request(tiny_chat_model, tmp_path, monkeypatc
     sched.check_invariants()
     assert not sched.by_uid
     assert_trace_ok(llm, tmp_path / "trace.jsonl")
+
+
+def test_a_model_that_turns_nan_mid_decode_ends_every_request_with_an_error(tiny_chat_model):
+    """NaN put into the final norm's weights after two tokens (a fault in the running model)
+    makes every logit NaN: each request ends "abort", keeping the tokens drawn before it, where
+    it had gone on drawing token 0. On a GPU this is the decode graph's own draw
+    (kernels/sampling.py); on the CPU the torch sampler's."""
+    sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=6, ignore_eos=True)
+    expected = LLM(tiny_chat_model, kv_cache_tokens=256).generate(
+        [PROMPT, OTHER_PROMPT], [PLAIN, sampled], use_tqdm=False
+    )
+    llm = LLM(tiny_chat_model, kv_cache_tokens=256, check_kv_invariants=True)
+    sched = llm.scheduler
+    reqs = [sched.add_request(PROMPT, PLAIN), sched.add_request(OTHER_PROMPT, sampled)]
+    outputs = []
+    while min(r.output_len for r in reqs) < 2:
+        outputs += sched.step()
+    sched.engine.model.model.norm.weight.data.fill_(float("nan"))
+    while sched.has_work:
+        outputs += sched.step()
+    for req, healthy in zip(reqs, expected):
+        ends = [o for o in outputs if o.uid == req.uid and o.finish_reason]
+        assert len(ends) == 1 and ends[0].finish_reason == FinishReason.ABORT and ends[0].token_id is None
+        assert "no finite logit" in ends[0].stop_reason
+        drawn = [o.token_id for o in outputs if o.uid == req.uid and o.token_id is not None]
+        assert 2 <= len(drawn) < 6 and drawn == healthy.token_ids[: len(drawn)] == req.output_ids
+    assert not sched.by_uid
+    sched.check_invariants()
