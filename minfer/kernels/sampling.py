@@ -134,14 +134,18 @@ def _gumbel_argmax_chunk_kernel(
             bits = _mix32((row_key ^ (vocab_cols * 0x27D4EB2F)) + 0x61C88647)
             x = x * inv_t - _ln(_neg_log_uniform(bits, FAST, SERIES), FAST)
             x = tl.where(mask, x, float("-inf"))
-        better = x > lane_val
+        # A NaN is taken and then kept (nothing compares greater than it), as torch's max
+        # takes it: a row with any NaN has nothing to draw (core.NO_TOKEN, set in pass 2).
+        better = (x > lane_val) | (x != x)
         lane_val = tl.where(better, x, lane_val)
         lane_idx = tl.where(better, cols, lane_idx)
     best_val = tl.max(lane_val, 0)
-    # the lowest index holding the best value, as torch.argmax picks (a chunk of only -inf
-    # keeps its first column)
+    # the lowest index holding the best value, as torch.argmax picks (a chunk of only -inf,
+    # or a best that is NaN, keeps its first column: a real id for the token table)
     best_idx = tl.min(tl.where(lane_val == best_val, lane_idx, 2147483647), 0)
-    best_idx = tl.where(best_val == float("-inf"), chunk * CHUNK, best_idx)
+    best_idx = tl.where(best_val > float("-inf"), best_idx, chunk * CHUNK)
+    # tl.max may pass over a NaN; +inf stands for it, which pass 2 finds not finite
+    best_val = tl.where(tl.max((lane_val != lane_val).to(tl.int32), 0) > 0, float("inf"), best_val)
     tl.store(best_val_ptr + row * num_chunks + chunk, best_val)
     tl.store(best_idx_ptr + row * num_chunks + chunk, best_idx)
 
@@ -159,8 +163,8 @@ def _pick_best_chunk_kernel(
     WRITE_TABLE: tl.constexpr,
 ):
     """Pass 2, grid (row,): the token of the best chunk (the first of equal ones) and its value,
-    or NO_TOKEN where that value is not finite (pass 1 skips NaN, so a row of NaN and -inf
-    has -inf); with WRITE_TABLE also the token (int32) at flat index table_at[row] of the token
+    or NO_TOKEN where that value is not finite (all -inf, or +inf, which pass 1 also gives a
+    chunk holding a NaN); with WRITE_TABLE also the token (int32) at flat index table_at[row] of the token
     table, there always a real id (core.NO_TOKEN says why)."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)

@@ -132,28 +132,28 @@ def test_the_draw_writes_each_token_into_the_token_table_and_out(device):
 
 
 def test_a_row_without_a_finite_logit_draws_no_token(device):
-    """A row of -inf (every token banned), of NaN, or with +inf has nothing to draw from: the
-    kernel says NO_TOKEN there, where an argmax said 0, while the token table gets a real id
-    (the next pass may read it). A row with some NaN but a finite logit draws among the finite."""
+    """A row of -inf (every token banned), of NaN, with +inf, or with any NaN has nothing to
+    draw from: the kernel says NO_TOKEN there, as the torch sampler does, where an argmax said 0,
+    while the token table gets a real id (the next pass may read it)."""
     vocab = 2 * CHUNK + 10
-    logits = torch.randn(5, vocab)
+    logits = torch.randn(6, vocab)
     logits[0] = float("-inf")
     logits[1] = float("nan")
     logits[2, 77] = float("inf")
-    logits[3, :100] = float("nan")
-    logits[3, 1234] = 40.0
-    params = [SamplingParams(temperature=t) for t in (0.0, 0.7, 0.0, 0.0, 0.9)]
-    st = SamplingTensors.build(params, [1, 2, 3, 4, 5], [6] * 5, vocab, torch.device("cpu"))
-    tokens = torch.full((5,), 99, dtype=torch.int32, device=device)
+    logits[3, CHUNK + 5] = float("nan")  # one NaN, in the second chunk
+    logits[4, 1234] = 40.0  # the healthy rows: one greedy, one sampled
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.7, 0.0, 0.8, 0.0, 0.9)]
+    st = SamplingTensors.build(params, [1, 2, 3, 4, 5, 6], [6] * 6, vocab, torch.device("cpu"))
+    tokens = torch.full((6,), 99, dtype=torch.int32, device=device)
     drawn = gumbel_argmax(
         logits.to(device),
         st.temperature.to(device),
         st.seeds.to(device),
         st.positions.to(device),
-        table=(tokens, torch.arange(5, device=device)),
+        table=(tokens, torch.arange(6, device=device)),
     ).tolist()
-    assert drawn[:4] == [NO_TOKEN, NO_TOKEN, NO_TOKEN, 1234]
-    alone = SamplingTensors.build(params[4:], [5], [6], vocab, torch.device("cpu"))
-    assert drawn[4] == sample(logits[4:], alone).item() != NO_TOKEN
+    expected = sample(logits, st).tolist()
+    assert drawn == expected
+    assert drawn[:4] == [NO_TOKEN] * 4 and drawn[4] == 1234 and drawn[5] != NO_TOKEN
     table = tokens.tolist()
-    assert all(0 <= t < vocab for t in table) and table[3:] == drawn[3:]
+    assert all(0 <= t < vocab for t in table) and table[4:] == drawn[4:]
