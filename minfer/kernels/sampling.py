@@ -136,6 +136,7 @@ def _gumbel_argmax_chunk_kernel(
             x = tl.where(mask, x, float("-inf"))
         # A NaN is taken and then kept (nothing compares greater than it), as torch's max
         # takes it: a row with any NaN has nothing to draw (core.NO_TOKEN, set in pass 2).
+        # One comparison per logit: 70.5 -> 73.5 us at 256 rows on an H100 (BENCHMARKS.md).
         better = (x > lane_val) | (x != x)
         lane_val = tl.where(better, x, lane_val)
         lane_idx = tl.where(better, cols, lane_idx)
