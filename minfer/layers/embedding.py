@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.distributed.parallel import SINGLE, TPGroup
+from minfer.layers.linear import on_triton
 from minfer.layers.quantized_head import LowBitHead
 
 
@@ -58,6 +59,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         """float32 logits [T, vocab], written into `out` when given."""
         if self.low_bit is not None:
             return self.low_bit.logits(hidden, out)
+        if self.tp.size == 1 and _gemv_takes(hidden, self.weight):
+            # One or two rows (a small decode batch): the weights are the whole cost, and gemv
+            # reads them before it waits for the final norm (kernels/gemv.py), in fp32 at once.
+            from minfer.kernels import gemv
+
+            if out is None:
+                out = torch.empty(
+                    (hidden.shape[0], self.vocab_size), dtype=torch.float32, device=hidden.device
+                )
+            return gemv.gemv(hidden, self.weight, out=out)
         if self.tp.size == 1 and _mm_writes_fp32(hidden):
             # The GEMM accumulates in fp32 anyway; writing fp32 directly saves a pass that rounds
             # the logits to bf16 and another that widens them (0.1 ms at B=256 on an H200).
@@ -71,6 +82,16 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = self.tp.all_gather_last_dim(logits)
         logits = logits[..., : self.vocab_size]
         return logits.float() if out is None else out.copy_(logits)
+
+
+def _gemv_takes(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the LM head's product goes to minfer.kernels.gemv (as linear.linear routes a
+    projection's; MINFER_SMALL_GEMM=torch or MINFER_GEMV=off keep it on cuBLAS)."""
+    if hidden.dim() != 2 or not on_triton(hidden):
+        return False
+    from minfer.kernels import gemv
+
+    return gemv.suits(hidden.shape[0], weight)
 
 
 @functools.cache

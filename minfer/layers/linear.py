@@ -40,13 +40,13 @@ if _GEMV_EPILOGUE not in ("on", "off"):
     raise ValueError(f"MINFER_GEMV_EPILOGUE={_GEMV_EPILOGUE!r}: expected on or off")
 
 
-def _on_triton(x: torch.Tensor) -> bool:
+def on_triton(x: torch.Tensor) -> bool:
     """Whether a product of x goes to minfer's Triton kernels rather than torch's."""
     return x.is_cuda and x.dtype in _HALF and _SMALL_GEMM == "triton"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _on_triton(x):
+    if on_triton(x):
         from minfer.kernels import gemm, gemv
 
         rows = x.numel() // x.shape[-1]
@@ -60,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _folds_prologue(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> bool:
     """Whether x's rows go through minfer.kernels.gemv with the step before it (the SiLU-and-
     multiply with `silu`, else an RMSNorm) folded in."""
-    if _GEMV_PROLOGUE == "off" or not _on_triton(x):
+    if _GEMV_PROLOGUE == "off" or not on_triton(x):
         return False
     if x.dim() != 2:  # a MoE block's unreduced terms [tokens, top_k, hidden]: the norm kernel sums them
         return False
@@ -135,7 +135,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def folds_silu(self, x: torch.Tensor) -> bool:
         """Whether `forward_silu` is one gemv launch with the SiLU-and-multiply as its epilogue:
         for [gate | up] of equal halves, where gemv takes the product (see _GEMV_EPILOGUE)."""
-        if _GEMV_EPILOGUE == "off" or self.low_bit is not None or not _on_triton(x):
+        if _GEMV_EPILOGUE == "off" or self.low_bit is not None or not on_triton(x):
             return False
         from minfer.kernels import gemv
 

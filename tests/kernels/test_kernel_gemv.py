@@ -38,6 +38,47 @@ def test_gemv_matches_float64(m, n, k, config, dtype, device):
         torch.testing.assert_close(out.double(), expected.to(dtype).double(), **gemm_tolerance(dtype))
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gemv_writes_float32_logits_into_out(rows, device):
+    """The LM head's form: bf16 operands, the fp32 sum written unrounded into a given buffer."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn((rows, 200), generator=gen).to(torch.bfloat16).to(device)
+    w = (torch.randn((333, 200), generator=gen) / 14).to(torch.bfloat16).to(device)
+    out = torch.full((rows, 333), float("nan"), device=device)
+    assert gemv.gemv(x, w, out=out) is not None
+    expected = F.linear(x.double(), w.double())
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)  # no bf16 rounding
+    with pytest.raises(ValueError, match="out must be"):
+        gemv.gemv(x, w, out=torch.empty((rows, 333), dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match="out must be"):
+        gemv.gemv(x, w, out=torch.empty((rows, 332), device=device))
+
+
+def test_the_lm_head_takes_gemv_for_one_or_two_rows(monkeypatch, device):
+    """ParallelLMHead routed as on a GPU (the interpreter off one): one and two rows go through
+    gemv into the float32 logits, with or without the graph's buffer; more rows stay on torch."""
+    from minfer.layers import embedding
+
+    torch.manual_seed(4)
+    head = embedding.ParallelLMHead(300, 64).to(device)
+    head.weight.data = (torch.randn(300, 64) / 8).to(torch.bfloat16).to(device)
+    launched = []
+    monkeypatch.setattr(embedding, "on_triton", lambda x: True)
+    real_gemv = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: launched.append(a[0].shape[0]) or real_gemv(*a, **kw))
+    for rows in (1, 2, 3):
+        hidden = torch.randn((rows, 64), device=device).to(torch.bfloat16)
+        expected = F.linear(hidden.double(), head.weight.double())
+        logits = head.compute_logits(hidden)
+        buffer = torch.empty((rows, 300), device=device)
+        returned = head.compute_logits(hidden, out=buffer)
+        assert returned.data_ptr() == buffer.data_ptr()
+        for got in (logits, buffer):
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), expected, atol=1e-2, rtol=1e-2)
+    assert launched == [1, 1, 2, 2]
+
+
 def test_gemv_keeps_leading_dims_and_refuses_what_it_cannot_hold(device):
     x = torch.randn(1, 2, 32, device=device)
     w = torch.randn(24, 32, device=device)
@@ -298,7 +339,7 @@ def test_the_mlp_on_the_kernels_returns_what_torch_returns(monkeypatch, device, 
     norm.weight.data.normal_(1.0, 0.2)
     x, residual = torch.randn((rows, 96), device=device), torch.randn((rows, 96), device=device)
     expected = mlp.forward_normed(norm, x, residual), mlp(x)
-    monkeypatch.setattr(linear, "_on_triton", lambda x: True)
+    monkeypatch.setattr(linear, "on_triton", lambda x: True)
     monkeypatch.setattr(linear, "_GEMV_EPILOGUE", epilogue)
     assert mlp.gate_up_proj.folds_silu(x) is (epilogue == "on")
     for prologue in ("auto", "off"):
