@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from minfer.core import NO_TOKEN as _NO_TOKEN
-from minfer.kernels.common import INTERPRET, num_sms
+from minfer.kernels.common import INTERPRET, num_sms, pdl_args, pdl_start
 
 # The noise is -log(-log(u)); libdevice's logf (a range reduction and a polynomial of ~20
 # instructions) twice per logit bounded the kernel at large batches. The outer logarithm is MUFU
@@ -84,6 +84,9 @@ def _neg_log_uniform(bits, FAST: tl.constexpr, SERIES: tl.constexpr):
 # one after another. (The first rule, under two programs per SM, also took batches of 4-6; the
 # offline bench's 4-7 band was then 0.05-0.08 ms slower in one call of two, unexplained, so
 # those batches keep the large chunks: docs/BENCHMARKS.md, twentieth session.)
+# Both passes take programmatic dependent launch where the rows are chained (common.pdl_args):
+# at one or two rows pass 1 then starts while the LM head's gemv finishes, and pass 2 while pass
+# 1 does, instead of after each (docs/BENCHMARKS.md, thirty-eighth session).
 CHUNK = 4096
 SMALL_CHUNK = 1024
 BLOCK = 1024
@@ -110,17 +113,22 @@ def _gumbel_argmax_chunk_kernel(
     BLOCK: tl.constexpr,
     FAST: tl.constexpr,
     SERIES: tl.constexpr,
+    PDL_RELEASE: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
 ):
     """Pass 1, grid (row, chunk): the best perturbed logit of one chunk of one row. Column c
     of `logits` is vocabulary entry col_offset + c (a TP rank's shard starts there), and its
     noise is that entry's."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
+    # The row's parameters are staged by the host (common.pdl_start: readable before the wait);
+    # the logits are the LM head's, after it.
     temperature = tl.load(temperature_ptr + row)
     seed = tl.load(seeds_ptr + row).to(tl.int64)
     position = tl.load(positions_ptr + row).to(tl.int64)
     row_key = _mix32(((seed * 0x9E3779B1 + position * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF).to(tl.uint32))
     inv_t = 1.0 / tl.where(temperature > 0, temperature, 1.0)
+    pdl_start(PDL_RELEASE, PDL_WAIT)
     # Each lane keeps its own best over the chunk (first index on ties), and the lanes are
     # reduced once at the end: a block-wide max and argmax per step cost more than the hash.
     lane_val = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
@@ -162,11 +170,14 @@ def _pick_best_chunk_kernel(
     num_chunks,
     BLOCK_C: tl.constexpr,
     WRITE_TABLE: tl.constexpr,
+    PDL_RELEASE: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
 ):
     """Pass 2, grid (row,): the token of the best chunk (the first of equal ones) and its value,
     or NO_TOKEN where that value is not finite (all -inf, or +inf, which pass 1 also gives a
     chunk holding a NaN); with WRITE_TABLE also the token (int32) at flat index table_at[row] of the token
     table, there always a real id (core.NO_TOKEN says why)."""
+    pdl_start(PDL_RELEASE, PDL_WAIT)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     vals = tl.load(best_val_ptr + row * num_chunks + offs, mask=offs < num_chunks, other=float("-inf"))
@@ -234,6 +245,7 @@ def gumbel_best(
             FAST=FAST_LOG,
             SERIES=SERIES_LOG,
             num_warps=4,
+            **pdl_args(logits.device, batch),
         )
         _pick_best_chunk_kernel[(batch,)](
             best_val,
@@ -246,5 +258,6 @@ def gumbel_best(
             BLOCK_C=triton.next_power_of_2(num_chunks),
             WRITE_TABLE=table is not None,
             num_warps=1,
+            **pdl_args(logits.device, batch),
         )
     return out, out_val
