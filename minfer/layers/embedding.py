@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.distributed.parallel import SINGLE, TPGroup
+from minfer.kernels.common import chained_rows, pdl_enabled
+from minfer.kernels.embedding import embedding_rows
 from minfer.layers.linear import on_triton
 from minfer.layers.quantized_head import LowBitHead
 
@@ -29,6 +31,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
+            if ids.is_cuda and pdl_enabled(ids.device) and chained_rows(ids.numel()):
+                # the first layer's gemv then reads its weights during the gather
+                return embedding_rows(ids, self.weight)
             return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows_per_rank)
