@@ -65,6 +65,12 @@ class StructuredOutput(msgspec.Struct, array_like=True):
     spec: str = ""
 
 
+# A temperature under this draws greedily (vLLM's threshold). logits / T overflows float32 for T
+# near 1e-38 (every positive logit +inf, the draw then the first of them, or nothing at all), and
+# above the overflow no draw at such temperatures differs from the argmax but at near-exact ties.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick tokens and when to stop. A msgspec struct so it can cross process boundaries."""
 
@@ -119,7 +125,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     def _validate_core(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
@@ -135,7 +141,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 # The draw's answer for a row with no finite logit to draw from (all -inf, NaN or +inf): a model

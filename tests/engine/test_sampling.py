@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minfer import LLM, SamplingParams
-from minfer.core import NO_TOKEN
+from minfer.core import GREEDY_BELOW_TEMPERATURE, NO_TOKEN, InvalidRequestError
 from minfer.engine.sampler import (
     SamplingTensors,
     _argmax,
@@ -191,3 +191,24 @@ def test_a_row_without_a_finite_logit_draws_no_token(params):
     assert drawn[:3].tolist() == [NO_TOKEN] * 3
     assert drawn[3] == sample(logits[3:], alone)[0] != NO_TOKEN
     assert table_token(drawn).tolist() == [0, 0, 0, drawn[3].item()]
+
+
+def test_a_vanishing_temperature_draws_greedily(llm):
+    """logits / 1e-40 overflows float32 (every positive logit +inf): such temperatures, and any
+    under GREEDY_BELOW_TEMPERATURE, take the argmax rather than the first +inf."""
+    assert (
+        SamplingParams(temperature=1e-40).greedy
+        and SamplingParams(temperature=GREEDY_BELOW_TEMPERATURE / 2).greedy
+    )
+    assert not SamplingParams(temperature=GREEDY_BELOW_TEMPERATURE * 2).greedy
+    prompt = [5, 6, 7, 8]
+    greedy = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
+    tiny = SamplingParams(temperature=1e-40, max_tokens=8, ignore_eos=True, seed=3)
+    assert llm.generate([prompt], tiny, use_tqdm=False)[0].token_ids == greedy[0].token_ids
+
+
+def test_a_nan_temperature_is_refused():
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=float("nan")).validate()
