@@ -57,9 +57,10 @@ def sample_step(
     engine: Engine, chosen: list[Req], logits: torch.Tensor, sampled_at: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, LogprobTensors | None, list[int]]:
     """(next tokens [B] (NO_TOKEN where a row had nothing to draw), logprobs of the sampled
-    tokens or None, the rows of `chosen` those logprobs belong to). `logits` is float32 [B, vocab], or [B, shard] when TP splits the
-    vocabulary. `sampled_at`: the requests' device_len already on the device (a decode step's,
-    engine/decode_inputs.py), else staged here."""
+    tokens or None, the rows of `chosen` those logprobs belong to). `logits` is float32
+    [B, vocab], or [B, shard] when TP splits the vocabulary. `sampled_at`: the requests'
+    device_len already on the device (a decode step's, engine/decode_inputs.py), else staged
+    here."""
     logprob_rows = [j for j, r in enumerate(chosen) if r.params.logprobs is not None]
     grammar_mask, grammar_ended = _grammar_masks(engine, chosen)
     adjustments = build_adjustments(

@@ -175,8 +175,8 @@ def _pick_best_chunk_kernel(
 ):
     """Pass 2, grid (row,): the token of the best chunk (the first of equal ones) and its value,
     or NO_TOKEN where that value is not finite (all -inf, or +inf, which pass 1 also gives a
-    chunk holding a NaN); with WRITE_TABLE also the token (int32) at flat index table_at[row] of the token
-    table, there always a real id (core.NO_TOKEN says why)."""
+    chunk holding a NaN); with WRITE_TABLE also the token (int32) at flat index table_at[row]
+    of the token table, there always a real id (core.NO_TOKEN says why)."""
     pdl_start(PDL_RELEASE, PDL_WAIT)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
