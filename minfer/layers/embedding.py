@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.distributed.parallel import SINGLE, TPGroup
+from minfer.kernels import gemv
 from minfer.kernels.common import chained_rows, pdl_enabled
 from minfer.kernels.embedding import embedding_rows
 from minfer.layers.linear import on_triton
@@ -64,23 +65,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         """float32 logits [T, vocab], written into `out` when given."""
         if self.low_bit is not None:
             return self.low_bit.logits(hidden, out)
-        if self.tp.size == 1 and _gemv_takes(hidden, self.weight):
-            # One or two rows (a small decode batch): the weights are the whole cost, and gemv
-            # reads them before it waits for the final norm (kernels/gemv.py), in fp32 at once.
-            from minfer.kernels import gemv
-
+        by_gemv = self.tp.size == 1 and _gemv_takes(hidden, self.weight)
+        if by_gemv or (self.tp.size == 1 and _mm_writes_fp32(hidden)):
+            # Both write fp32 directly: the GEMM accumulates in fp32 anyway, and rounding the
+            # logits to bf16 and widening them again took 0.1 ms at B=256 on an H200. One or two
+            # rows (a small decode batch) go to gemv, which reads the weights, the whole cost,
+            # before it waits for the final norm (kernels/gemv.py).
             if out is None:
                 out = torch.empty(
                     (hidden.shape[0], self.vocab_size), dtype=torch.float32, device=hidden.device
                 )
-            return gemv.gemv(hidden, self.weight, out=out)
-        if self.tp.size == 1 and _mm_writes_fp32(hidden):
-            # The GEMM accumulates in fp32 anyway; writing fp32 directly saves a pass that rounds
-            # the logits to bf16 and another that widens them (0.1 ms at B=256 on an H200).
-            if out is None:
-                out = torch.empty(
-                    (hidden.shape[0], self.vocab_size), dtype=torch.float32, device=hidden.device
-                )
+            if by_gemv:
+                return gemv.gemv(hidden, self.weight, out=out)
             return torch.mm(hidden, self.weight.t(), out_dtype=torch.float32, out=out)
         logits = F.linear(hidden, self.weight)
         if self.tp.size > 1:
@@ -92,11 +88,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 def _gemv_takes(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the LM head's product goes to minfer.kernels.gemv (as linear.linear routes a
     projection's; MINFER_SMALL_GEMM=torch or MINFER_GEMV=off keep it on cuBLAS)."""
-    if hidden.dim() != 2 or not on_triton(hidden):
-        return False
-    from minfer.kernels import gemv
-
-    return gemv.suits(hidden.shape[0], weight)
+    return hidden.dim() == 2 and on_triton(hidden) and gemv.suits(hidden.shape[0], weight)
 
 
 @functools.cache
