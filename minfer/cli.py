@@ -155,13 +155,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "serve":
-        from minfer.server.launch import check_port_free, serve
+        from minfer.server.launch import bind_http_socket, serve
 
         server_cfg = _server_config(args)
-        check_port_free(server_cfg.host, server_cfg.port)  # before a model load of minutes
+        # Bound before a model load of minutes; a worker node of a multi-node job serves no HTTP.
+        listener = (
+            bind_http_socket(server_cfg.host, server_cfg.port)
+            if vars(args).get("node_rank", 0) == 0
+            else None
+        )
         engine_cfg, served_as = _preflight(_engine_config(args))
         server_cfg.served_model_name = server_cfg.served_model_name or served_as
-        return serve(engine_cfg, server_cfg)
+        return serve(engine_cfg, server_cfg, listener)
     if args.command == "trace":
         from minfer.observability.trace_cli import run_trace
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+BIND_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -56,11 +57,26 @@ class Server:
         env: dict | None = None,
         auth: str | None = None,
     ):
-        self.port = free_port()
         self.headers = {"Authorization": f"Bearer {auth}"} if auth else {}  # sent by info() and post()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.log = open(log_path, "w")  # noqa: SIM115 - open while the server runs
+        # free_port() only says the port was free a moment ago: another process's outgoing
+        # connection may take it before the server binds. That (and only that) start is retried
+        # on a fresh port.
+        for attempt in range(BIND_ATTEMPTS):
+            self._start(args, env)
+            try:
+                self.wait_healthy(timeout)
+                break
+            except RuntimeError:
+                if attempt + 1 == BIND_ATTEMPTS or not self.lost_port_race():
+                    raise
+                self.log.close()
+        self.workers = self.info()["workers"]
+
+    def _start(self, args: list[str], env: dict | None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - open while the server runs
         cmd = [sys.executable, "-m", "minfer", "serve", *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(
             cmd,
@@ -69,8 +85,10 @@ class Server:
             cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
         )
-        self.wait_healthy(timeout)
-        self.workers = self.info()["workers"]
+
+    def lost_port_race(self) -> bool:
+        """Whether the server exited because its port was taken between free_port() and bind."""
+        return self.proc.poll() is not None and "address already in use" in self.output().lower()
 
     def output(self) -> str:
         self.log.flush()

@@ -43,6 +43,8 @@ log = logging.getLogger("minfer.server")
 # How long /health answers 503 after a worker died before the server exits, so that whoever
 # watches the server (a load balancer, a test) can see why.
 UNHEALTHY_GRACE_S = 2.0
+HTTP_BACKLOG = 2048  # uvicorn's default, which it passes to listen() again when it starts
+
 # Open requests are ended with an error this long before uvicorn's graceful period is over, so
 # that none is cancelled into a bare connection reset.
 FAIL_BEFORE_SHUTDOWN_S = 0.5
@@ -126,29 +128,40 @@ def wait_until_ready(sock: zmq.Socket, workers: Workers) -> dict[str, dict]:
     return ready
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Refuse a port another process listens on before anything loads (a model load can take
-    minutes, and uvicorn would only find out after it)."""
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """The server's TCP socket, listening from now on; uvicorn serves it once the model is loaded.
+    Taking the port before the load refuses a taken port at once instead of after minutes, and
+    holds it through the load: no other server, and no outgoing connection given it as its
+    ephemeral port, can take it meanwhile. A client that connects during the load waits in the
+    kernel's backlog until the server answers."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            # As uvicorn binds: a port whose old connections linger in TIME_WAIT is free.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, port))
+        sock = socket.socket(family, socket.SOCK_STREAM)
     except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    try:
+        # As uvicorn binds: a port whose old connections linger in TIME_WAIT is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        # Bound but not listening, the port could still be bound by another SO_REUSEADDR socket.
+        sock.listen(HTTP_BACKLOG)
+    except OSError as e:
+        sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e} (--port picks another)") from e
+    return sock
 
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
-    """Run the server until a signal or a dead worker; returns the exit code."""
+def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, listener: socket.socket | None = None) -> int:
+    """Run the server until a signal or a dead worker; returns the exit code. `listener` is the
+    socket from bind_http_socket (bound here when not given)."""
     logging.basicConfig(level=engine_cfg.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     if engine_cfg.node_rank > 0:  # a worker node of a multi-node job: its ranks only, no HTTP
         return run_worker_node(engine_cfg)
-    check_port_free(server_cfg.host, server_cfg.port)
+    listener = listener or bind_http_socket(server_cfg.host, server_cfg.port)
     ipc_dir = IpcDir()
     endpoints = Endpoints.in_dir(ipc_dir.path)
     zctx = zmq.Context()
@@ -166,7 +179,9 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
         # to the handler it found, which must then do nothing).
         for sig in previous:
             signal.signal(sig, lambda signum, frame: None)
-        return asyncio.run(_serve_http(engine_cfg, server_cfg, ready, workers, api_inbox, to_tokenizer))
+        return asyncio.run(
+            _serve_http(engine_cfg, server_cfg, listener, ready, workers, api_inbox, to_tokenizer)
+        )
     except KeyboardInterrupt:
         return 0
     except StartupError as e:
@@ -174,6 +189,7 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
         return 1
     finally:
         workers.stop()
+        listener.close()
         zctx.destroy(linger=0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -183,6 +199,7 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
 async def _serve_http(
     engine_cfg: EngineConfig,
     server_cfg: ServerConfig,
+    listener: socket.socket,
     ready: dict,
     workers: Workers,
     api_inbox: zmq.Socket,
@@ -227,7 +244,7 @@ async def _serve_http(
     )
     server = uvicorn.Server(config)
     watchdog = asyncio.create_task(_watch(server, state, workers, info["memory_line"]))
-    await server.serve()
+    await server.serve(sockets=[listener])
     watchdog.cancel()
     return state.exit_code
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import httpx
-from server_harness import REPO, Server, child_pids, pid_alive
+import pytest
+from server_harness import REPO, Server, child_pids, free_port, pid_alive
 
 
 def wait_gone(pids, timeout: float = 10.0) -> list[int]:
@@ -85,7 +88,15 @@ def test_bad_model_fails_fast(tmp_path):
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         proc = subprocess.run(
-            [sys.executable, "-m", "minfer", "serve", str(tmp_path / "no-such-model"), "--port", "1"],
+            [
+                sys.executable,
+                "-m",
+                "minfer",
+                "serve",
+                str(tmp_path / "no-such-model"),
+                "--port",
+                str(free_port()),
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -111,7 +122,7 @@ def test_worker_that_fails_to_start_is_reported(tiny_chat_model, tmp_path):
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         proc = subprocess.run(
-            [sys.executable, "-m", "minfer", "serve", str(broken), "--port", "1"],
+            [sys.executable, "-m", "minfer", "serve", str(broken), "--port", str(free_port())],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -127,7 +138,7 @@ def test_sigterm_while_loading(tiny_chat_model, tmp_path):
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "minfer", "serve", tiny_chat_model, "--port", "1"],
+            [sys.executable, "-m", "minfer", "serve", tiny_chat_model, "--port", str(free_port())],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -141,3 +152,39 @@ def test_sigterm_while_loading(tiny_chat_model, tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     assert wait_gone(children) == []
+
+
+def test_port_is_held_while_loading(tiny_chat_model, tmp_path):
+    """The HTTP port is taken before the model loads and kept until uvicorn serves it: no other
+    process can take it during a load of minutes (a port only checked free at start-up was once
+    taken in between by an outgoing connection, and the server died after the whole load). A
+    client that connects during the load is answered once the server is up."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "minfer", "serve", tiny_chat_model, "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while "loading" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "serving" not in log.read_text()  # still loading: nobody listens yet
+            with socket.socket() as other, pytest.raises(OSError) as taken:
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                other.bind(("127.0.0.1", port))
+            assert taken.value.errno == errno.EADDRINUSE
+            # Sent while the model loads: it waits for the server instead of being refused.
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={"prompt": "hi", "max_tokens": 2},
+                timeout=120,
+            )
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
