@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -147,13 +148,23 @@ def split_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def create_store(config, rank: int) -> dist.TCPStore:
+def create_store(config, rank: int, listener: socket.socket | None = None) -> dist.TCPStore:
     """Rank 0 listens at `config.dist_init_addr` (port 0: any free port, read back from
-    `store.port`); other ranks connect there, retrying until rank 0 is up."""
+    `store.port`), or on `listener`, a socket already listening there, which the store then
+    owns; other ranks connect there, retrying until rank 0 is up."""
     host, port = split_addr(config.dist_init_addr or "127.0.0.1:0")
     timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
     if rank == 0:
-        return dist.TCPStore(host, port, config.tp, is_master=True, timeout=timeout, wait_for_workers=False)
+        fd = listener.detach() if listener is not None else None
+        return dist.TCPStore(
+            host,
+            port,
+            config.tp,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
     return dist.TCPStore(host, port, config.tp, is_master=False, timeout=timeout)
 
 

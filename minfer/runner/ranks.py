@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -39,12 +40,23 @@ PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def free_local_addr() -> str:
-    """An address for the rendezvous store on this host, when --dist-init-addr is not given."""
+    """An address on this host that was free a moment ago (tests that start two nodes by hand)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def rendezvous_socket() -> socket.socket:
+    """A listening socket on a free local port for rank 0's rendezvous store, made by a launcher
+    that must tell the other ranks the address before rank 0 exists (`minfer serve`). Rank 0 serves
+    the store on this very socket (create_store's `listener`): an address only found free here and
+    bound seconds later by rank 0 could be taken in between."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
 
 
 def device_type_of(config: EngineConfig) -> str:
@@ -142,9 +154,12 @@ class LocalRanks:
             p.wait()
 
 
-def start_rank_zero(config: EngineConfig, spawn_followers: bool) -> StepLeader:
+def start_rank_zero(
+    config: EngineConfig, spawn_followers: bool, listener: socket.socket | None = None
+) -> StepLeader:
     """Make this process rank 0: listen for the other ranks (starting this node's followers
-    when asked), join the group. Returns the StepLeader the scheduler loop steps through."""
+    when asked), join the group. Returns the StepLeader the scheduler loop steps through.
+    `listener`: the socket from rendezvous_socket, bound to config.dist_init_addr's port."""
     from minfer.distributed.faults import fault_point
     from minfer.distributed.parallel import SINGLE, RankLayout, create_store, join_tp_group, leave_tp_group
     from minfer.runner.step_sync import StepLeader
@@ -153,7 +168,7 @@ def start_rank_zero(config: EngineConfig, spawn_followers: bool) -> StepLeader:
     if config.tp == 1:
         return StepLeader(SINGLE)
     assert layout.node_rank == 0, "only node 0 hosts rank 0"
-    store = create_store(config, 0)
+    store = create_store(config, 0, listener)
     host = (config.dist_init_addr or "127.0.0.1:0").rpartition(":")[0]
     follower_config = dataclasses.replace(config, dist_init_addr=f"{host}:{store.port}")
     ranks = LocalRanks(follower_config, layout.node_ranks[1:]) if spawn_followers else None

@@ -9,6 +9,8 @@ protocol is a pass-through.
 
 from __future__ import annotations
 
+import socket
+
 from minfer.config import EngineConfig
 from minfer.core import Req, SamplingParams
 from minfer.engine.engine import Engine
@@ -18,12 +20,17 @@ from minfer.scheduler.scheduler import Scheduler, StepOutput
 
 class Runner:
     def __init__(
-        self, config: EngineConfig, spawn_followers: bool = True, scheduler_options: dict | None = None
+        self,
+        config: EngineConfig,
+        spawn_followers: bool = True,
+        scheduler_options: dict | None = None,
+        rendezvous: socket.socket | None = None,
     ):
-        """Become rank 0 (starting this node's other ranks when asked), load the engine, build
-        the scheduler and agree with the other ranks on what must be equal."""
+        """Become rank 0 (starting this node's other ranks when asked; `rendezvous`: the socket
+        a launcher made for the ranks to meet at), load the engine, build the scheduler and
+        agree with the other ranks on what must be equal."""
         self.config = config
-        self.tp_leader = start_rank_zero(config, spawn_followers=spawn_followers)
+        self.tp_leader = start_rank_zero(config, spawn_followers=spawn_followers, listener=rendezvous)
         try:
             self.engine = Engine(config, self.tp_leader.tp)
             self.scheduler = Scheduler(self.engine, **(scheduler_options or {}))

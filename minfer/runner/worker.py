@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import time
 from typing import TYPE_CHECKING
 
@@ -150,8 +151,11 @@ class SchedulerLoop:
 
 
 @exit_without_teardown
-def run_scheduler_worker(config: EngineConfig, endpoints: Endpoints, parent_pid: int) -> None:
-    """Entry point of the scheduler process (started by server/launch.py)."""
+def run_scheduler_worker(
+    config: EngineConfig, endpoints: Endpoints, parent_pid: int, rendezvous: socket.socket | None = None
+) -> None:
+    """Entry point of the scheduler process (started by server/launch.py); `rendezvous`: with
+    --tp N, the socket rank 0's store listens on (ranks.rendezvous_socket)."""
     setup_worker_process("minfer-scheduler", config.log_level)
     ctx = zmq.Context()
     sock = inbox(ctx, endpoints.scheduler)
@@ -160,7 +164,8 @@ def run_scheduler_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
         from minfer.engine.engine import freeze_long_lived_objects
         from minfer.runner.runner import Runner
 
-        runner = Runner(config, spawn_followers=False)  # with --tp N: rank 0; launch.py started the others
+        # With --tp N: rank 0; launch.py started the others.
+        runner = Runner(config, spawn_followers=False, rendezvous=rendezvous)
         freeze_long_lived_objects()
     except Exception as e:
         log.exception("the engine failed to start")

@@ -32,7 +32,7 @@ from minfer.ipc.process import dead_workers
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
 from minfer.observability.metrics import ServerMetrics
 from minfer.observability.trace import NULL_TRACER, RequestTracer
-from minfer.runner.ranks import free_local_addr, run_follower_rank, run_worker_node
+from minfer.runner.ranks import rendezvous_socket, run_follower_rank, run_worker_node
 from minfer.runner.worker import run_scheduler_worker
 from minfer.server.client import EngineClient
 from minfer.tokenizer.detokenizer_worker import run_detokenizer_worker
@@ -61,12 +61,18 @@ class Workers:
     def __init__(self, config: EngineConfig, endpoints: Endpoints):
         ctx = mp.get_context("spawn")
         me = os.getpid()
-        if config.tp > 1 and not config.dist_init_addr:  # where the scheduler (rank 0) meets the others
-            config = dataclasses.replace(config, dist_init_addr=free_local_addr())
+        # Where the scheduler (rank 0) meets the other ranks: a socket made here, listening from
+        # now on, so the followers started beside it know the address before rank 0 exists.
+        self.rendezvous = None
+        if config.tp > 1 and not config.dist_init_addr:
+            self.rendezvous = rendezvous_socket()
+            config = dataclasses.replace(
+                config, dist_init_addr=f"127.0.0.1:{self.rendezvous.getsockname()[1]}"
+            )
         self.procs = {
             "scheduler": ctx.Process(
                 target=run_scheduler_worker,
-                args=(config, endpoints, me),
+                args=(config, endpoints, me, self.rendezvous),
                 name="minfer-scheduler",
                 daemon=True,
             ),
@@ -94,6 +100,8 @@ class Workers:
     def start(self) -> None:
         for proc in [*self.procs.values(), *self.tp_ranks.values()]:
             proc.start()
+        if self.rendezvous is not None:  # the scheduler has its own copy now
+            self.rendezvous.close()
 
     def dead(self) -> list[str]:
         return dead_workers({**self.procs, **self.tp_ranks})

@@ -53,3 +53,28 @@ def test_serve_exits_when_a_rank_dies(chat_model, tmp_path):
     log = (tmp_path / "serve.log").read_text()
     assert "injected fault on tensor-parallel rank 1" in log
     assert "the tp-rank-1 worker" in log and "exited with code 1: shutting down" in log
+
+
+def test_the_rendezvous_port_is_held_from_the_launcher_to_rank_0():
+    """`serve --tp N` tells the followers rank 0's address before rank 0 exists. The launcher's
+    socket listens from the start and rank 0's store serves on that very socket, so no other
+    process can take the port in between (an address found free and bound seconds later could
+    be: the CI failure at test_faults_load was that race on the HTTP port)."""
+    import errno
+    import socket
+    import types
+
+    from minfer.distributed.parallel import create_store
+    from minfer.runner.ranks import rendezvous_socket
+
+    listener = rendezvous_socket()
+    port = listener.getsockname()[1]
+    with socket.socket() as other, pytest.raises(OSError) as taken:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", port))
+    assert taken.value.errno == errno.EADDRINUSE
+    config = types.SimpleNamespace(dist_init_addr=f"127.0.0.1:{port}", tp=2)
+    master = create_store(config, 0, listener)
+    assert master.port == port and listener.fileno() == -1  # the store owns the socket now
+    master.set("joined", "rank 0")
+    assert create_store(config, 1).get("joined") == b"rank 0"
