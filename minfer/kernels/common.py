@@ -17,11 +17,10 @@ import triton.language as tl
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
-# MINFER_PDL: "1" (the default) chains the launches whose rows CHAIN_BANDS names and releases the rest,
-# each kernel releasing the next before its own wait (see pdl_start); "late" is "1" with the
-# release after the wait (the twenty-third session's default); "chain" chains every launch,
-# "release" none (the fifteenth session's), "0" turns programmatic dependent launch off. All but
-# "1" are for A/B runs.
+# MINFER_PDL: "1" (the default) chains the launches whose rows CHAIN_BANDS names and releases the
+# rest, each kernel releasing the next before its own wait (see pdl_start); for A/B runs, "late" is
+# "1" with the release after the wait (the twenty-third session's default), "chain" chains every
+# launch, "release" none (the fifteenth session's), "0" turns programmatic dependent launch off.
 _PDL_MODES = ("0", "release", "1", "late", "chain")
 # Read at import, as a compile-time constant of every kernel that calls pdl_start. Releasing
 # first let launches run several deep: H200, batch-1 decode graph 0.715 -> 0.681 ms for
@@ -68,9 +67,8 @@ def _pdl_mode() -> str:
 
 @functools.cache
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` use programmatic dependent launch (minfer.kernels.gemv):
-    compiled kernels (not the interpreter) on compute capability 9.0 or later, unless
-    MINFER_PDL=0."""
+    """Whether kernels on `device` use programmatic dependent launch (minfer.kernels.gemv): compiled
+    kernels (not the interpreter) on compute capability 9.0 or later, unless MINFER_PDL=0."""
     if INTERPRET or device.type != "cuda" or _pdl_mode() == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
@@ -162,11 +160,11 @@ def prefetch_l2(ptrs, mask):
 
 
 def matmul_operands(
-    x: torch.Tensor, weight: torch.Tensor, features: int | None = None
+    x: torch.Tensor, weight: torch.Tensor, features: int | None = None, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For y = x [..., K] @ weight [N, K].T: x as [M, K] rows with a contiguous last dim (rows may
-    stay strided) and the uninitialised output [M, N] in x's dtype. Reshape the output with
-    `out.reshape(*x.shape[:-1], N)`. `features`: x's row width when it is not K (gemv's SiLU
+    stay strided) and the output [M, N]: `out` once checked (contiguous, x's dtype or float32),
+    else a new one in x's dtype. `features`: x's row width when it is not K (gemv's SiLU
     prologue reads rows of [gate | up], 2K wide)."""
     n, k = weight.shape
     features = features or k
@@ -176,7 +174,12 @@ def matmul_operands(
     x2 = x.reshape(-1, features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return x2, torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    shape = (x2.shape[0], n)
+    if out is None:
+        return x2, torch.empty(shape, dtype=x.dtype, device=x.device)
+    if out.shape != shape or not out.is_contiguous() or out.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out must be contiguous {shape} in {x.dtype} or float32")
+    return x2, out
 
 
 @functools.cache

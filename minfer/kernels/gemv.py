@@ -195,11 +195,7 @@ def gemv(
     """x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N] in x's dtype, accumulated in fp32,
     for at most MAX_ROWS rows of x. `out`: a contiguous [rows, N] tensor to write instead, in
     x's dtype or float32 (the sum then unrounded: the LM head's logits)."""
-    x2, fresh = matmul_operands(x, weight)
-    if out is None:
-        out = fresh
-    elif out.shape != fresh.shape or not out.is_contiguous() or out.dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"out must be contiguous {tuple(fresh.shape)} in {x.dtype} or float32")
+    x2, out = matmul_operands(x, weight, out=out)
     _launch(x2, weight, bias, out, config, _PLAIN)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
