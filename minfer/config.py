@@ -172,7 +172,7 @@ class ServerConfig:
     """Options of the HTTP front end."""
 
     host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(8000, "port to listen on")
+    port: int = _opt(8000, "port to listen on (0: a free one, printed once serving)")
     served_model_name: str | None = _opt(
         None,
         "model name reported by /v1/models and accepted in `model` fields (default: the model path "

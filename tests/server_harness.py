@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -14,7 +15,8 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-BIND_ATTEMPTS = 3
+# What `minfer serve` prints once it listens (server/launch.py).
+SERVING_LINE = re.compile(r"^minfer: serving .* on http://[^:/]+:(\d+) ", re.MULTILINE)
 
 
 def free_port() -> int:
@@ -47,7 +49,7 @@ def pid_alive(pid: int) -> bool:
 
 
 class Server:
-    """`python -m minfer serve ...` on a free port; its output goes to a log file."""
+    """`python -m minfer serve ...` on a port of its choosing; its output goes to a log file."""
 
     def __init__(
         self,
@@ -59,25 +61,10 @@ class Server:
     ):
         self.headers = {"Authorization": f"Bearer {auth}"} if auth else {}  # sent by info() and post()
         self.log_path = log_path
-        # free_port() only says the port was free a moment ago: another process's outgoing
-        # connection may take it before the server binds. That (and only that) start is retried
-        # on a fresh port.
-        for attempt in range(BIND_ATTEMPTS):
-            self._start(args, env)
-            try:
-                self.wait_healthy(timeout)
-                break
-            except RuntimeError:
-                if attempt + 1 == BIND_ATTEMPTS or not self.lost_port_race():
-                    raise
-                self.log.close()
-        self.workers = self.info()["workers"]
-
-    def _start(self, args: list[str], env: dict | None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - open while the server runs
-        cmd = [sys.executable, "-m", "minfer", "serve", *args, "--port", str(self.port)]
+        self.log = open(log_path, "w")  # noqa: SIM115 - open while the server runs
+        # --port 0: the server takes a free port when it starts and prints it once serving, so no
+        # other process can take it between a choice made here and the server's bind.
+        cmd = [sys.executable, "-m", "minfer", "serve", *args, "--port", "0"]
         self.proc = subprocess.Popen(
             cmd,
             stdout=self.log,
@@ -85,25 +72,28 @@ class Server:
             cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
         )
-
-    def lost_port_race(self) -> bool:
-        """Whether the server exited because its port was taken between free_port() and bind."""
-        return self.proc.poll() is not None and "address already in use" in self.output().lower()
+        self.wait_healthy(timeout)
+        self.workers = self.info()["workers"]
 
     def output(self) -> str:
         self.log.flush()
         return self.log_path.read_text()
 
     def wait_healthy(self, timeout: float) -> None:
+        """Until the server prints where it serves and answers /health there."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            serving = SERVING_LINE.search(self.output())
+            if serving:
+                self.port = int(serving.group(1))
+                self.url = f"http://127.0.0.1:{self.port}"
+                try:
+                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout} s:\n{self.output()}")

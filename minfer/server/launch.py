@@ -170,6 +170,7 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, listener: socket.s
     if engine_cfg.node_rank > 0:  # a worker node of a multi-node job: its ranks only, no HTTP
         return run_worker_node(engine_cfg)
     listener = listener or bind_http_socket(server_cfg.host, server_cfg.port)
+    server_cfg.port = listener.getsockname()[1]  # the port given, or the one --port 0 was given
     ipc_dir = IpcDir()
     endpoints = Endpoints.in_dir(ipc_dir.path)
     zctx = zmq.Context()

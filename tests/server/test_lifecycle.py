@@ -95,7 +95,7 @@ def test_bad_model_fails_fast(tmp_path):
                 "serve",
                 str(tmp_path / "no-such-model"),
                 "--port",
-                str(free_port()),
+                "0",
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -122,7 +122,7 @@ def test_worker_that_fails_to_start_is_reported(tiny_chat_model, tmp_path):
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         proc = subprocess.run(
-            [sys.executable, "-m", "minfer", "serve", str(broken), "--port", str(free_port())],
+            [sys.executable, "-m", "minfer", "serve", str(broken), "--port", "0"],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -138,7 +138,7 @@ def test_sigterm_while_loading(tiny_chat_model, tmp_path):
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "minfer", "serve", tiny_chat_model, "--port", str(free_port())],
+            [sys.executable, "-m", "minfer", "serve", tiny_chat_model, "--port", "0"],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
