@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import logging
 import multiprocessing as mp
 import os
@@ -142,20 +143,19 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     holds it through the load: no other server, and no outgoing connection given it as its
     ephemeral port, can take it meanwhile. A client that connects during the load waits in the
     kernel's backlog until the server answers."""
+    # As uvicorn binds its own: IPv6 for an address with a colon (so "localhost" is 127.0.0.1
+    # wherever the resolver lists ::1 first), and a port whose old connections linger in
+    # TIME_WAIT counts as free.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError as e:
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
-    try:
-        # As uvicorn binds: a port whose old connections linger in TIME_WAIT is free.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         # Bound but not listening, the port could still be bound by another SO_REUSEADDR socket.
         sock.listen(HTTP_BACKLOG)
     except OSError as e:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e} (--port picks another)") from e
+        hint = " (--port picks another)" if e.errno == errno.EADDRINUSE else ""
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from e
     return sock
 
 
