@@ -90,6 +90,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    # vLLM's: the only tokens that may be drawn (None: any), and words the output may not contain.
+    # A word is banned as token sequences (`bad_words_ids`, which the tokenizer fills in from
+    # `bad_words`): a sequence's last token is -inf wherever the output ends with the rest of it.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = msgspec.field(default_factory=list)
+    bad_words_ids: list[list[int]] = msgspec.field(default_factory=list)
     # Logprobs of the raw distribution (log-softmax of the logits before temperature, penalties
     # and biases): None for none, k >= 0 for the chosen token's and the k most likely ones.
     logprobs: int | None = None
@@ -116,6 +122,15 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidRequestError("allowed_token_ids must name at least one token", "allowed_token_ids")
+        if not all(word.strip() for word in self.bad_words):
+            raise InvalidRequestError("bad_words may not contain an empty word", "bad_words")
+
+    @property
+    def limits_tokens(self) -> bool:
+        """Whether allowed_token_ids or bad words take tokens out of the draw."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_ids)
 
     @property
     def has_penalties(self) -> bool:

@@ -12,7 +12,7 @@ from minfer.engine.engine import Engine
 from minfer.runner.ranks import run_worker_node
 from minfer.runner.runner import Runner
 from minfer.tokenizer.detokenizer import IncrementalDetokenizer
-from minfer.tokenizer.intake import PromptEncoder
+from minfer.tokenizer.intake import PromptEncoder, with_bad_words_ids
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class LLM:
         runner = self.runner
         for p in params:
             p.validate()  # all or nothing: reject before queueing any
+        params = [with_bad_words_ids(self.tokenizer, p) for p in params]
         reqs = [runner.add(ids, p) for ids, p in zip(prompts, params)]
         pending = {r.uid for r in reqs}
         by_uid = {r.uid: r for r in reqs}

@@ -1,5 +1,6 @@
 """Logit adjustments before sampling, batched on the device: repetition, frequency and presence
-penalties, logit_bias, and min_tokens (no EOS or stop token before the minimum length).
+penalties, logit_bias, min_tokens (no EOS or stop token before the minimum length), and the
+tokens vLLM's allowed_token_ids and bad_words take out of the draw.
 
 Definitions (those of OpenAI and vLLM):
   repetition_penalty r   tokens seen in the prompt or the output: logit / r if positive, else logit * r
@@ -7,6 +8,9 @@ Definitions (those of OpenAI and vLLM):
   presence_penalty p     logit -= p * (1 if it occurs in the output so far)
   logit_bias b[token]    logit += b
   min_tokens             logit = -inf for EOS and stop_token_ids while the output is shorter
+  allowed_token_ids      logit = -inf for every other token
+  bad_words              logit = -inf for a word's last token where the output ends with the rest
+                         of it (each spelling's token sequence: SamplingParams.bad_words_ids)
 
 The token history comes from the device's token table (prompt and every sampled token, the
 newest one included even when it has not reached the CPU yet in overlap mode), so building the
@@ -39,6 +43,13 @@ class LogitAdjustments:
     bias_index: torch.Tensor | None = None  # [2, N] int64
     bias_values: torch.Tensor | None = None  # [N] float32
     ban_index: torch.Tensor | None = None  # [2, M] int64
+    # allowed_token_ids: rows whose every other token is -inf, and where they allow [A, V].
+    allow_rows: torch.Tensor | None = None  # [A] int64
+    allowed: torch.Tensor | None = None  # [A, V] bool
+    # Bad words of several tokens: (row, last token) pairs, -inf where `word_bans` says (the
+    # output ends with the rest of the word) and 0 elsewhere, added to the logits.
+    word_index: torch.Tensor | None = None  # [2, W] int64
+    word_bans: torch.Tensor | None = None  # [W] float32
 
 
 def banned_tokens(r: Req) -> set[int]:
@@ -64,6 +75,7 @@ def build_adjustments(
     penalised = [i for i, r in enumerate(reqs) if r.params.has_penalties]
     bias_rows, bias_tokens, bias_values = [], [], []
     ban_rows, ban_tokens = [], []
+    words = []  # (row, request, token sequence) of the bad words longer than one token
     for i, r in enumerate(reqs):
         for token, value in r.params.logit_bias.items():
             bias_rows.append(i)
@@ -72,9 +84,24 @@ def build_adjustments(
         for token in () if i in grammar_ended else banned_tokens(r):
             ban_rows.append(i)
             ban_tokens.append(token)
-    if not (penalised or bias_rows or ban_rows):
+        for word in r.params.bad_words_ids:
+            if len(word) == 1:
+                ban_rows.append(i)
+                ban_tokens.append(word[0])
+            elif r.device_len - r.prompt_len >= len(word) - 1:  # the rest fits in the output so far
+                words.append((i, r, word))
+    allowing = [i for i, r in enumerate(reqs) if r.params.allowed_token_ids is not None]
+    if not (penalised or bias_rows or ban_rows or words or allowing):
         return None
     adj = LogitAdjustments()
+    if allowing:
+        index = [(row, token) for row, i in enumerate(allowing) for token in reqs[i].params.allowed_token_ids]
+        where = to_device([[row for row, _ in index], [token for _, token in index]], torch.int64, device)
+        adj.allow_rows = to_device(allowing, torch.int64, device)
+        adj.allowed = torch.zeros(len(allowing), vocab_size, dtype=torch.bool, device=device)
+        adj.allowed[where[0], where[1]] = True
+    if words:
+        adj.word_index, adj.word_bans = _word_bans(words, page_table, device)
     if penalised:
         chosen = [reqs[i] for i in penalised]
         ints = to_device(
@@ -120,6 +147,26 @@ def build_adjustments(
     return adj
 
 
+def _word_bans(words: list, page_table: PageTable, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(word_index, word_bans) of LogitAdjustments for `words`' (row, request, token sequence)
+    entries. Whether the output ends with a word's first tokens is read from the device's token
+    table (the newest token may not have reached the CPU yet, in overlap mode)."""
+    entries, flat, expected = [], [], []
+    for entry, (_, r, word) in enumerate(words):
+        rest = word[:-1]
+        start = r.device_len - len(rest)  # the sampled token lands at device_len
+        for offset, token in enumerate(rest):
+            entries.append(entry)
+            flat.append(page_table.flat_index(r.table_idx, start + offset))
+            expected.append(token)
+    ints = to_device([entries, flat, expected], torch.int64, device)
+    differs = (page_table.tokens.view(-1)[ints[1]].long() != ints[2]).float()
+    mismatches = torch.zeros(len(words), device=device).index_add_(0, ints[0], differs)
+    bans = torch.where(mismatches == 0, float("-inf"), 0.0)
+    index = to_device([[row for row, _, _ in words], [word[-1] for _, _, word in words]], torch.int64, device)
+    return index, bans
+
+
 def apply_adjustments(logits: torch.Tensor, adj: LogitAdjustments) -> torch.Tensor:
     """Adjust logits [B, V] float32 in place (and return them)."""
     if adj.penalty_rows is not None:
@@ -135,4 +182,12 @@ def apply_adjustments(logits: torch.Tensor, adj: LogitAdjustments) -> torch.Tens
         logits.index_put_(
             (adj.ban_index[0], adj.ban_index[1]), torch.tensor(float("-inf"), device=logits.device)
         )
+    if adj.word_index is not None:  # -inf + x is -inf, 0 + x is x: a word that matches wins
+        logits.index_put_((adj.word_index[0], adj.word_index[1]), adj.word_bans, accumulate=True)
+    if adj.allow_rows is not None:
+        vocab = adj.allowed.shape[1]
+        sub = logits.index_select(0, adj.allow_rows)
+        sub[:, :vocab].masked_fill_(~adj.allowed, float("-inf"))
+        sub[:, vocab:] = float("-inf")  # columns past the vocabulary, where logits are padded
+        logits.index_copy_(0, adj.allow_rows, sub)
     return logits

@@ -29,12 +29,12 @@ if TYPE_CHECKING:
 def draws_plainly(r: Req) -> bool:
     """Whether `r`'s tokens are the plain draw, the Gumbel-max of its raw logits at its
     temperature (the argmax at 0), at every position where min_tokens bans nothing
-    (penalties.banned_tokens): no logprobs, penalties, logit bias, grammar, top-k, top-p or
-    min-p. Fixed for the request's life. A decode graph draws such tokens itself
-    (engine/cuda_graph.py)."""
+    (penalties.banned_tokens): no logprobs, penalties, logit bias, allowed or bad tokens,
+    grammar, top-k, top-p or min-p. Fixed for the request's life. A decode graph draws such
+    tokens itself (engine/cuda_graph.py)."""
     p = r.params
     plain = p.logprobs is None and not p.has_penalties and not p.logit_bias and not filters_apply(p)
-    return plain and r.grammar is None
+    return plain and not p.limits_tokens and r.grammar is None
 
 
 def _grammar_masks(engine: Engine, chosen: list[Req]) -> tuple[torch.Tensor | None, frozenset[int]]:

@@ -49,8 +49,8 @@ def read_results(
             # The pass took the position, so the token list keeps its place (the request ends
             # now; the last position never enters the prefix cache), but nothing reaches the client.
             stop_reason = (
-                "internal error: no finite logit to draw a token from "
-                "(NaN model output, or bans covering the whole vocabulary)"
+                "no finite logit to draw a token from (NaN model output, or masks that exclude "
+                "every token: allowed_token_ids, bad_words, min_tokens and a grammar together)"
             )
             logger.error("request %d: %s; aborted", req.uid, stop_reason)
             ending.append((req, FinishReason.ABORT))

@@ -166,6 +166,8 @@ class Scheduler:
             ("prompt", token_ids),
             ("logit_bias", params.logit_bias),
             ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words", [t for word in params.bad_words_ids for t in word]),
         ):
             bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
             if bad:

@@ -33,6 +33,8 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_LISTED_TOKEN_IDS)]
 LogitBias = Annotated[dict[str, float], Field(max_length=MAX_LISTED_TOKEN_IDS)]
+AllowedTokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LISTED_TOKEN_IDS)]
+BadWords = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]  # words, bounded as stop strings
 Timeout = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)]
 
 
@@ -50,8 +52,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "length_penalty": lambda v: v in (None, 1, 1.0),
     "skip_special_tokens": lambda v: v in (None, True),
     "spaces_between_special_tokens": lambda v: v in (None, True),
-    "allowed_token_ids": lambda v: not v,
-    "bad_words": lambda v: not v,
     "logits_processors": lambda v: not v,
     "truncate_prompt_tokens": lambda v: v is None,
     "functions": lambda v: not v,  # OpenAI's deprecated form of tools

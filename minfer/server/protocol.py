@@ -21,6 +21,8 @@ from minfer.server.body import (
     MAX_CHOICES,
     MAX_TOOLS,
     UNSUPPORTED_FIELDS,
+    AllowedTokenIds,
+    BadWords,
     Body,
     Int,
     LogitBias,
@@ -103,6 +105,8 @@ class OpenAISamplingFields(ConstraintFields):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: LogitBias | None = None
+    allowed_token_ids: AllowedTokenIds | None = None  # vLLM's extensions, as SamplingParams'
+    bad_words: BadWords | None = None
     user: str | None = None
     timeout: Timeout | None = None  # seconds; then the request is aborted (finish_reason "abort")
     # vLLM's: the prompt tokens' log-probabilities with this many alternatives each, in the
@@ -138,6 +142,8 @@ class OpenAISamplingFields(ConstraintFields):
                 "presence_penalty": self.presence_penalty,
                 "repetition_penalty": self.repetition_penalty,
                 "logit_bias": self.logit_bias,
+                "allowed_token_ids": self.allowed_token_ids,
+                "bad_words": self.bad_words,
                 "logprobs": logprobs,
                 "prompt_logprobs": prompt_logprobs,
                 "structured_output": self.structured_output(),

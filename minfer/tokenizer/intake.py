@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import sys
 
+import msgspec
+
 from minfer.config import EngineConfig
-from minfer.core import InvalidRequestError
+from minfer.core import InvalidRequestError, SamplingParams
 from minfer.tokenizer.prompt_limits import PromptMeter, text_bytes
 
 
@@ -100,6 +102,22 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
     if tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def with_bad_words_ids(tokenizer, params: SamplingParams) -> SamplingParams:
+    """`params` with its bad_words as token sequences (SamplingParams.bad_words_ids): each word
+    as it tokenizes at the start of a text and after a space, each distinct sequence once."""
+    if not params.bad_words:
+        return params
+    if tokenizer is None:
+        raise InvalidRequestError("this model has no tokenizer to spell bad_words with", "bad_words")
+    sequences = []
+    for word in params.bad_words:
+        for spelling in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(spelling, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return msgspec.structs.replace(params, bad_words_ids=sequences)
 
 
 class PromptEncoder:

@@ -22,7 +22,13 @@ from minfer.ipc.process import exit_without_teardown, parent_alive, setup_worker
 from minfer.ipc.sockets import Endpoints, fail_start, inbox, outbox, recv_ready, send
 from minfer.observability.events import TOKENIZED
 from minfer.observability.trace import NULL_TRACER, RequestTracer
-from minfer.tokenizer.intake import PromptEncoder, encode_text, load_model_tokenizer, render_chat
+from minfer.tokenizer.intake import (
+    PromptEncoder,
+    encode_text,
+    load_model_tokenizer,
+    render_chat,
+    with_bad_words_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +86,7 @@ class TokenizerWorker:
     def tokenize(self, req: m.GenerateRequest) -> None:
         try:
             ids = self.prompt_ids(req)
+            params = with_bad_words_ids(self.tokenizer, req.params)
         except InvalidRequestError as e:
             self.send_api(m.RequestFailed.invalid(req.uid, e))
             return
@@ -99,7 +106,7 @@ class TokenizerWorker:
             m.TokenizedRequest(
                 uid=req.uid,
                 token_ids=ids,
-                params=req.params,
+                params=params,
                 max_tokens_auto=req.max_tokens_auto,
                 stream=stream,
             )

@@ -1,5 +1,5 @@
-"""Penalties, logit_bias and min_tokens on the device against their definitions written as plain
-loops; offline prompt logprobs over chunked prefill against transformers."""
+"""Penalties, logit_bias, min_tokens, allowed_token_ids and bad words on the device against their
+definitions written as plain loops; offline prompt logprobs over chunked prefill against transformers."""
 
 from __future__ import annotations
 
@@ -30,16 +30,27 @@ def reference(logits: torch.Tensor, req: Req) -> torch.Tensor:
     if req.device_len - req.prompt_len < p.min_tokens:
         for token in {*p.stop_token_ids, *req.eos_token_ids}:
             out[token] = float("-inf")
+    for word in p.bad_words_ids:  # banned where the output ends with the word's other tokens
+        if len(output) >= len(word) - 1 and output[len(output) - len(word) + 1 :] == word[:-1]:
+            out[word[-1]] = float("-inf")
+    if p.allowed_token_ids is not None:
+        keep = out.clone()
+        out[:] = float("-inf")
+        out[p.allowed_token_ids] = keep[p.allowed_token_ids]
     return out
 
 
 def test_adjustments_match_their_definitions():
-    table = PageTable(4, 64, torch.device("cpu"))
+    table = PageTable(8, 64, torch.device("cpu"))
     params = [
         SamplingParams(frequency_penalty=0.7, presence_penalty=-0.3),
         SamplingParams(repetition_penalty=1.8, logit_bias={3: 5.0, 9: -2.0}),
         SamplingParams(),  # untouched between adjusted rows
         SamplingParams(min_tokens=6, stop_token_ids=[4], repetition_penalty=0.5),
+        SamplingParams(allowed_token_ids=[2, 3, 30], logit_bias={3: 1.0}),
+        # One-token words, words whose head is the output's tail (banned) or not, one longer
+        # than the output, one whose head reaches into the prompt (not the output: not banned).
+        SamplingParams(bad_words_ids=[[6], [0, 1, 2, 3, 5, 31], [1, 1, 9], [7, 7, 7, 7, 7, 7, 7, 7]]),
     ]
     gen = torch.Generator().manual_seed(0)
     reqs = []
@@ -49,8 +60,17 @@ def test_adjustments_match_their_definitions():
         req.table_idx = table.take_row()
         table.write_tokens(req.table_idx, 0, tokens)
         reqs.append(req)
+    # Make some bad words' heads the output's tail (positions 7-11 of 12; sampled at 12).
+    tail = reqs[5].token_ids[7:12]
+    reqs[5].params.bad_words_ids += [
+        [*tail[-2:], 20],
+        [tail[-1], 21],
+        [*tail, 22],
+        [reqs[5].token_ids[6], *tail, 23],
+    ]
     logits = torch.randn(len(reqs), VOCAB, generator=gen)
     expected = torch.stack([reference(logits[i], r) for i, r in enumerate(reqs)])
+    assert expected[5, [20, 21, 22]].isinf().all() and expected[5, 23].isfinite()  # the cases are live
     got = apply_adjustments(logits.clone(), build_adjustments(reqs, table, VOCAB, torch.device("cpu")))
     assert torch.allclose(got, expected, atol=1e-5)
     assert build_adjustments([reqs[2]], table, VOCAB, torch.device("cpu")) is None

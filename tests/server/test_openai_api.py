@@ -481,11 +481,11 @@ BAD_REQUESTS = [
         "skip_special_tokens",
     ),
     (
-        "allowed_token_ids",
+        "truncate_prompt_tokens",
         COMPLETIONS,
-        {"prompt": "x", "allowed_token_ids": [1, 2]},
+        {"prompt": "x", "truncate_prompt_tokens": 4},
         400,
-        "allowed_token_ids",
+        "truncate_prompt_tokens",
     ),
     (
         "functions (deprecated tools)",

@@ -1,5 +1,5 @@
 """Logprobs (completions with echo, chat, /generate), penalties and logit_bias, min_tokens,
-n > 1 and structured output against a real `minfer serve` (tiny random model, real tokenizer).
+allowed_token_ids and bad_words, n > 1 and structured output against a real `minfer serve` (tiny random model, real tokenizer).
 
 The reference for logprobs is transformers' own forward pass of the same checkpoint: the server
 reports the raw distribution, log-softmax of the logits (docs/SERVING.md)."""
@@ -256,6 +256,68 @@ def test_min_tokens_suppresses_eos_in_the_logits(server):
     assert first["output_ids"] == [eos] and first["meta_info"]["finish_reason"]["type"] == "stop"
     late = server.post("/generate", {**body, "sampling_params": {**sampling, "min_new_tokens": 5}}).json()
     assert late["output_ids"][5:] == [eos] and eos not in late["output_ids"][:5]
+
+
+def detokenized(server: Server, token_ids: list[int]) -> str:
+    return server.post("/detokenize", {"tokens": token_ids}).json()["prompt"]
+
+
+def openai_completion(server: Server, **extra) -> str:
+    """The text of a greedy 16-token completion of PROMPT through the openai client, with vLLM's
+    fields in `extra`."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    body = {"ignore_eos": True, **extra}
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, extra_body=body
+    )
+    return out.choices[0].text
+
+
+def test_bad_words_ban_their_token_sequences(server):
+    """vLLM's bad_words: a word's last token is banned where the output ends with the rest of it.
+    The greedy answer's first token, banned as a word, is not drawn first; its first two tokens'
+    text, banned as one word, leaves the first token and changes the second."""
+    base = generate_ids(server)
+    first, second = detokenized(server, base[:1]), detokenized(server, base[1:2])
+    plain = openai_completion(server)
+    assert plain == detokenized(server, base)  # the same greedy answer on both endpoints
+    without_first = openai_completion(server, bad_words=[first])
+    assert not without_first.startswith(first)
+    without_pair = openai_completion(server, bad_words=[first + second])
+    assert without_pair.startswith(first) and not without_pair.startswith(first + second)
+
+
+def test_allowed_token_ids_are_the_only_ones_drawn(server):
+    allowed = prompt_ids(server, " yes no maybe")
+    words = {detokenized(server, [t]).strip() for t in allowed}
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=1.0,
+        seed=7,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+    )
+    drawn = out.choices[0].text.split()
+    assert len(drawn) == 24 and set(drawn) <= words, (drawn, words)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**9]}, "outside the vocabulary"),
+        ({"bad_words": [" "]}, "empty word"),
+    ],
+)
+def test_allowed_and_bad_words_refusals(server, extra, message):
+    reply = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **extra})
+    assert reply.status_code == 400 and message in reply.json()["error"]["message"], reply.text
 
 
 @pytest.mark.parametrize("prompt_len", [12, 48])
