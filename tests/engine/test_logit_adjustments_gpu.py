@@ -1,5 +1,6 @@
 """The CUDA path of logprobs and logit adjustments: pinned asynchronous copies of the reduced
-logprobs, adjustments on CUDA-graph logits, the fused Gumbel sampler on adjusted logits."""
+logprobs, adjustments on CUDA-graph logits (allowed_token_ids and bad words included), the fused
+Gumbel sampler on adjusted logits."""
 
 from __future__ import annotations
 
@@ -44,3 +45,13 @@ def test_logprobs_and_adjustments_on_cuda(tmp_path):
     assert outs[2].token_ids == [42] * 8
     assert outs[3].token_ids[4:] == [eos] and eos not in outs[3].token_ids[:4]
     assert len(set(outs[4].token_ids)) == 8 and len(outs[4].logprobs.logprobs) == 8
+    # allowed_token_ids, and a bad word of two tokens (its head drawn, its tail then masked on the
+    # device from the token table): graph logits sampled outside the graph's own draw.
+    head, tail = first.token_ids[:2]
+    limited = [
+        SamplingParams(temperature=0.8, seed=2, max_tokens=12, allowed_token_ids=[5, 6, 7]),
+        SamplingParams(temperature=0, max_tokens=6, bad_words_ids=[[head, tail]]),
+    ]
+    allowed, banned = llm.generate_ids([prompt] * 2, limited, use_tqdm=False)
+    assert set(allowed.token_ids) <= {5, 6, 7} and len(allowed.token_ids) == 12
+    assert banned.token_ids[0] == head and banned.token_ids[1] != tail
