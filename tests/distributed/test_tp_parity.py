@@ -171,3 +171,29 @@ def test_vocab_parallel_draw_matches_tp1(tmp_path):
     got, draws = drive(LLM(str(tmp_path), tp=2, log_level="warning"))
     assert draws > 0
     assert got == expected
+
+
+def test_tp2_applies_allowed_token_ids_and_bad_words_like_tp1(model_dir):
+    """The token masks (a bad word's tail matched against the token table) under tp=2: the
+    vocabulary is split across ranks, the masked row gathered whole."""
+    path, batch = model_dir("llama", 2), prompts(n=2, longest=12)
+
+    def tokens(**options) -> list[list[int]]:
+        llm = LLM(path, log_level="warning", **options)
+        try:
+            base = llm.generate(batch, GREEDY, use_tqdm=False)
+            head, tail = base[0].token_ids[:2]
+            limited = [
+                SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words_ids=[[head, tail]]),
+                SamplingParams(
+                    temperature=1.0, seed=4, max_tokens=8, ignore_eos=True, allowed_token_ids=[3, 4, 5]
+                ),
+            ]
+            return [o.token_ids for o in base + llm.generate(batch, limited, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    expected = tokens()
+    assert expected[2][0] == expected[0][0] and expected[2][1] != expected[0][1]
+    assert set(expected[3]) <= {3, 4, 5}
+    assert tokens(tp=2) == expected
