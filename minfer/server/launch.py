@@ -180,7 +180,11 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, listener: socket.s
     previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         workers.start()
-        print(f"minfer: loading {engine_cfg.model or 'the default model'} ...", flush=True)
+        print(
+            f"minfer: loading {engine_cfg.model or 'the default model'} "
+            f"(to serve on port {server_cfg.port}) ...",
+            flush=True,
+        )
         ready = wait_until_ready(api_inbox, workers)
         # The tokenizer refuses prompts the scheduler could not take before tokenizing them all.
         send(to_tokenizer, m.PromptLimits(max_prompt_tokens=ready["scheduler"]["max_request_tokens"] - 1))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from server_harness import REPO, Server, child_pids, free_port, pid_alive
+from server_harness import REPO, Server, child_pids, pid_alive
 
 
 def wait_gone(pids, timeout: float = 10.0) -> list[int]:
@@ -159,11 +160,10 @@ def test_port_is_held_while_loading(tiny_chat_model, tmp_path):
     process can take it during a load of minutes (a port only checked free at start-up was once
     taken in between by an outgoing connection, and the server died after the whole load). A
     client that connects during the load is answered once the server is up."""
-    port = free_port()
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "minfer", "serve", tiny_chat_model, "--port", str(port)],
+            [sys.executable, "-m", "minfer", "serve", tiny_chat_model, "--port", "0"],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -174,6 +174,7 @@ def test_port_is_held_while_loading(tiny_chat_model, tmp_path):
             while "loading" not in log.read_text() and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert "serving" not in log.read_text()  # still loading: nobody listens yet
+            port = int(re.search(r"to serve on port (\d+)", log.read_text()).group(1))
             with socket.socket() as other, pytest.raises(OSError) as taken:
                 other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 other.bind(("127.0.0.1", port))
