@@ -76,21 +76,25 @@ def build_adjustments(
     bias_rows, bias_tokens, bias_values = [], [], []
     ban_rows, ban_tokens = [], []
     words = []  # (row, request, token sequence) of the bad words longer than one token
+    allowing = []  # rows with allowed_token_ids
     for i, r in enumerate(reqs):
-        for token, value in r.params.logit_bias.items():
+        params = r.params
+        for token, value in params.logit_bias.items():
             bias_rows.append(i)
             bias_tokens.append(token)
             bias_values.append(value)
         for token in () if i in grammar_ended else banned_tokens(r):
             ban_rows.append(i)
             ban_tokens.append(token)
-        for word in r.params.bad_words_ids:
-            if len(word) == 1:
-                ban_rows.append(i)
-                ban_tokens.append(word[0])
-            elif r.device_len - r.prompt_len >= len(word) - 1:  # the rest fits in the output so far
-                words.append((i, r, word))
-    allowing = [i for i, r in enumerate(reqs) if r.params.allowed_token_ids is not None]
+        if params.bad_words_ids or params.allowed_token_ids is not None:  # as params.limits_tokens
+            if params.allowed_token_ids is not None:
+                allowing.append(i)
+            for word in params.bad_words_ids:
+                if len(word) == 1:
+                    ban_rows.append(i)
+                    ban_tokens.append(word[0])
+                elif r.device_len - r.prompt_len >= len(word) - 1:  # the rest fits in the output so far
+                    words.append((i, r, word))
     if not (penalised or bias_rows or ban_rows or words or allowing):
         return None
     adj = LogitAdjustments()
