@@ -88,7 +88,10 @@ def finish_reason(req: Req, token: int, max_model_len: int) -> tuple[FinishReaso
             return FinishReason.STOP, token
         if not p.ignore_eos and token in req.eos_token_ids:
             return FinishReason.STOP, None
-    if req.output_len >= p.max_tokens or req.device_len >= max_model_len:
+    # The context is full when the known tokens fill it (device_len, under overlap, already counts
+    # the tokens of passes in flight: it would end a request of prompt + max_tokens = the context
+    # one token early).
+    if req.output_len >= p.max_tokens or len(req.token_ids) >= max_model_len:
         return FinishReason.LENGTH, None
     return None, None
 

@@ -58,3 +58,16 @@ def test_request_limits(tiny_path):
         llm.generate([[]], SamplingParams())
     # Still serves afterwards.
     assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids) <= 3
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_request_that_fills_the_context_gets_every_token(tiny_path, overlap):
+    """prompt + max_tokens == max_model_len is allowed, so all max_tokens come: under overlap
+    scheduling the context check once counted the pass already in flight and ended such a
+    request one token early ("length" at 5 of 6)."""
+    llm = LLM(str(tiny_path), max_model_len=64, kv_cache_tokens=256, disable_overlap_schedule=not overlap)
+    for prompt_len in (58, 63):  # decode steps up to the last position; only the prefill's token
+        max_tokens = 64 - prompt_len
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        out = llm.generate([[5] * prompt_len], params, use_tqdm=False)[0]
+        assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
