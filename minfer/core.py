@@ -96,6 +96,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = msgspec.field(default_factory=list)
     bad_words_ids: list[list[int]] = msgspec.field(default_factory=list)
+    # vLLM's: keep only the prompt's last k tokens (a BOS the tokenizer adds stays first); -1: as
+    # many as the context holds. Applied by the tokenizer (tokenizer/intake.py).
+    truncate_prompt_tokens: int | None = None
     # Logprobs of the raw distribution (log-softmax of the logits before temperature, penalties
     # and biases): None for none, k >= 0 for the chosen token's and the k most likely ones.
     logprobs: int | None = None
@@ -124,6 +127,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise InvalidRequestError("allowed_token_ids must name at least one token", "allowed_token_ids")
+        if self.truncate_prompt_tokens is not None and not (
+            self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1
+        ):
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens must be -1 or >= 1, got {self.truncate_prompt_tokens}",
+                "truncate_prompt_tokens",
+            )
         if not all(word.strip() for word in self.bad_words):
             raise InvalidRequestError("bad_words may not contain an empty word", "bad_words")
 

@@ -80,8 +80,14 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ids = [self.encode(p) for p in prompts]
-        return self.generate_ids(ids, sampling_params, use_tqdm)
+        params = self._param_list(len(prompts), sampling_params)
+        ids = [  # a text prompt is cut to truncate_prompt_tokens as it is tokenized (no length refusal)
+            self.intake.encode(prompt=p, keep_last=self.intake.keep_last(sp))
+            if isinstance(p, str)
+            else list(p)
+            for p, sp in zip(prompts, params)
+        ]
+        return self.generate_ids(ids, params, use_tqdm)
 
     def chat(
         self,
@@ -100,25 +106,37 @@ class LLM:
         ]
         return self.generate_ids(prompts, sampling_params, use_tqdm)
 
+    @staticmethod
+    def _param_list(
+        count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        """One SamplingParams per prompt (the default's, or one given for all), each validated:
+        all or nothing, before any prompt is tokenized or queued."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * count
+        else:
+            params = list(sampling_params)
+        if len(params) != count:
+            raise InvalidRequestError(f"{count} prompts but {len(params)} sampling params")
+        for p in params:
+            p.validate()
+        return params
+
     def generate_ids(
         self,
         prompts: list[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = (
-            [sampling_params] * len(prompts)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params) != len(prompts):
-            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        params = self._param_list(len(prompts), sampling_params)
         runner = self.runner
-        for p in params:
-            p.validate()  # all or nothing: reject before queueing any
         params = [with_bad_words_ids(self.tokenizer, p) for p in params]
+        prompts = [
+            self.intake.encode(prompt_ids=ids, keep_last=self.intake.keep_last(p))
+            for ids, p in zip(prompts, params)
+        ]
         reqs = [runner.add(ids, p) for ids, p in zip(prompts, params)]
         pending = {r.uid for r in reqs}
         by_uid = {r.uid: r for r in reqs}

@@ -53,7 +53,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "skip_special_tokens": lambda v: v in (None, True),
     "spaces_between_special_tokens": lambda v: v in (None, True),
     "logits_processors": lambda v: not v,
-    "truncate_prompt_tokens": lambda v: v is None,
     "functions": lambda v: not v,  # OpenAI's deprecated form of tools
     "function_call": lambda v: v in (None, "none"),
 }

@@ -107,6 +107,7 @@ class OpenAISamplingFields(ConstraintFields):
     logit_bias: LogitBias | None = None
     allowed_token_ids: AllowedTokenIds | None = None  # vLLM's extensions, as SamplingParams'
     bad_words: BadWords | None = None
+    truncate_prompt_tokens: Int | None = None
     user: str | None = None
     timeout: Timeout | None = None  # seconds; then the request is aborted (finish_reason "abort")
     # vLLM's: the prompt tokens' log-probabilities with this many alternatives each, in the
@@ -144,6 +145,7 @@ class OpenAISamplingFields(ConstraintFields):
                 "logit_bias": self.logit_bias,
                 "allowed_token_ids": self.allowed_token_ids,
                 "bad_words": self.bad_words,
+                "truncate_prompt_tokens": self.truncate_prompt_tokens,
                 "logprobs": logprobs,
                 "prompt_logprobs": prompt_logprobs,
                 "structured_output": self.structured_output(),

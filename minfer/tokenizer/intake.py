@@ -10,6 +10,7 @@ same three front ends share.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -138,9 +139,55 @@ class PromptEncoder:
         template_kwargs: dict | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        keep_last: int | None = None,
     ) -> list[int]:
         """Exactly one of `prompt` (text), `prompt_ids` or `messages` (chat, with `tools` and
-        extra chat-template variables) is given."""
+        extra chat-template variables) is given. `keep_last`: keep only the last that many tokens
+        (`keep_last(params)`)."""
+        ids = self._encode(
+            prompt,
+            prompt_ids,
+            messages,
+            add_special_tokens,
+            tools,
+            template_kwargs,
+            add_generation_prompt,
+            continue_final_message,
+            truncating=keep_last is not None,
+        )
+        if keep_last is None or len(ids) <= keep_last:
+            return ids
+        # A BOS the tokenizer put first stays first, as a tokenizer truncating from the left keeps it.
+        kept = self.bos_prefix if prompt is not None and add_special_tokens else []
+        kept = kept if ids[: len(kept)] == kept and len(kept) < keep_last else []
+        return kept + ids[len(ids) - keep_last + len(kept) :]
+
+    def keep_last(self, params: SamplingParams) -> int | None:
+        """The prompt tokens `params.truncate_prompt_tokens` keeps: its count, or for -1 as many as
+        the context holds beside max_tokens (None: no truncation, or no limit known yet)."""
+        count = params.truncate_prompt_tokens
+        if count == -1:
+            limit = self.meter.max_prompt_tokens  # the context less one token
+            return None if limit is None else max(1, limit + 1 - params.max_tokens)
+        return count
+
+    @functools.cached_property
+    def bos_prefix(self) -> list[int]:
+        """The tokens the tokenizer puts before any text (a BOS, or none)."""
+        return self.tokenizer.encode("", add_special_tokens=True) if self.tokenizer is not None else []
+
+    def _encode(
+        self,
+        prompt: str | None,
+        prompt_ids: list[int] | None,
+        messages: list[dict] | None,
+        add_special_tokens: bool,
+        tools: list[dict] | None,
+        template_kwargs: dict | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        truncating: bool = False,
+    ) -> list[int]:
         if messages is not None:
             size = text_bytes(messages) + text_bytes(tools or []) + text_bytes(template_kwargs or {})
             self.meter.check_bytes(size, "messages")
@@ -152,9 +199,9 @@ class PromptEncoder:
                 template_kwargs,
                 continue_final_message,
             )
-            return self.meter.encode(text, add_special_tokens=False, param="messages")
+            return self.meter.encode(text, add_special_tokens=False, param="messages", truncating=truncating)
         if prompt is not None:
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
-            return self.meter.encode(prompt, add_special_tokens)
+            return self.meter.encode(prompt, add_special_tokens, truncating=truncating)
         return list(prompt_ids or [])

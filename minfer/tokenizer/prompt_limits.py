@@ -77,11 +77,16 @@ class PromptMeter:
                 param,
             )
 
-    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool, param: str = "prompt", truncating: bool = False
+    ) -> list[int]:
+        """`truncating`: the caller keeps only the last tokens, so a text over the limit in tokens
+        is tokenized whole (only the byte bound of step 1 refuses it, which bounds the work)."""
         nbytes = text_bytes(text)
         self.check_bytes(nbytes, param)
         if (
-            self.max_prompt_tokens is not None
+            not truncating
+            and self.max_prompt_tokens is not None
             and nbytes > SUSPICIOUS_BYTES_PER_TOKEN * self.max_prompt_tokens
         ):
             self.count_until_over(text, param)

@@ -93,8 +93,9 @@ class TokenizerWorker:
         if self.tracer.enabled:
             self.tracer.emit(TOKENIZED, req.uid, prompt_len=len(ids))
         prompt_text = None
-        if req.echo:
-            prompt_text = req.prompt if req.prompt is not None else self.token_text(ids)
+        if req.echo:  # the prompt as the model saw it: truncate_prompt_tokens may have cut it
+            whole = req.prompt is not None and req.params.truncate_prompt_tokens is None
+            prompt_text = req.prompt if whole else self.token_text(ids)
         stream = m.StreamStart(
             uid=req.uid,
             prompt_tokens=len(ids),
@@ -122,6 +123,7 @@ class TokenizerWorker:
             req.chat_template_kwargs,
             req.add_generation_prompt,
             req.continue_final_message,
+            self.encoder.keep_last(req.params),
         )
 
     def token_text(self, token_ids: list[int]) -> str:

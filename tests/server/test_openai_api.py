@@ -481,11 +481,11 @@ BAD_REQUESTS = [
         "skip_special_tokens",
     ),
     (
-        "truncate_prompt_tokens",
+        "special tokens spaced differently",
         COMPLETIONS,
-        {"prompt": "x", "truncate_prompt_tokens": 4},
+        {"prompt": "x", "spaces_between_special_tokens": False},
         400,
-        "truncate_prompt_tokens",
+        "spaces_between_special_tokens",
     ),
     (
         "functions (deprecated tools)",

@@ -1,5 +1,5 @@
 """Logprobs (completions with echo, chat, /generate), penalties and logit_bias, min_tokens,
-allowed_token_ids and bad_words, n > 1 and structured output against a real `minfer serve` (tiny random model, real tokenizer).
+allowed_token_ids, bad_words and truncate_prompt_tokens, n > 1 and structured output against a real `minfer serve` (tiny random model, real tokenizer).
 
 The reference for logprobs is transformers' own forward pass of the same checkpoint: the server
 reports the raw distribution, log-softmax of the logits (docs/SERVING.md)."""
@@ -307,12 +307,37 @@ def test_allowed_token_ids_are_the_only_ones_drawn(server):
     assert len(drawn) == 24 and set(drawn) <= words, (drawn, words)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server):
+    """vLLM's truncate_prompt_tokens: the prompt is its last k tokens (usage, echo and the answer
+    say so, the answer equal to that of those k tokens sent as ids); -1 fits a prompt far over
+    the context, which is refused without it."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    ids = prompt_ids(server, PROMPT)
+    greedy = {"model": "tiny", "max_tokens": 6, "temperature": 0}
+    cut = client.completions.create(
+        prompt=PROMPT, echo=True, extra_body={"truncate_prompt_tokens": 5}, **greedy
+    )
+    assert cut.usage.prompt_tokens == 5
+    as_ids = client.completions.create(prompt=ids[-5:], echo=True, **greedy)
+    assert cut.choices[0].text == as_ids.choices[0].text  # the echoed last 5 tokens, then the answer
+    assert cut.choices[0].text.startswith(detokenized(server, ids[-5:]))
+    context = server.info()["max_model_len"]
+    huge = PROMPT + " and so on" * context
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(prompt=huge, **greedy)
+    fitted = client.completions.create(prompt=huge, extra_body={"truncate_prompt_tokens": -1}, **greedy)
+    assert fitted.usage.prompt_tokens == context - 6 and fitted.usage.completion_tokens == 6
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [10**9]}, "outside the vocabulary"),
         ({"bad_words": [" "]}, "empty word"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be -1 or >= 1"),
     ],
 )
 def test_allowed_and_bad_words_refusals(server, extra, message):

