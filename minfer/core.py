@@ -83,6 +83,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     stop: list[str] = msgspec.field(default_factory=list)  # matched on text by the detokenizer
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
+    # vLLM's: False keeps special tokens' text in the output (not that of a special token that
+    # ended the request: EOS, a special stop token; include_stop_str_in_output keeps that too)
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
     seed: int | None = None
     # Penalties (OpenAI's and vLLM's definitions, see sampler.apply_penalties) and additive biases.

@@ -147,20 +147,24 @@ class LLM:
             bar = tqdm(total=len(reqs), desc="generating", unit="req")
         logprobs = {r.uid: TokenLogprobs() for r in reqs if r.params.logprobs is not None}
         prompt_logprobs = {}
-        # Stop strings are found in the text, as the server's tokenizer worker does: the request
-        # ends (its KV freed at once) with the token that completes one, and the text stops before it.
+        # Stop strings are found in the text, as the server's detokenizer worker does: the request
+        # ends (its KV freed at once) with the token that completes one, and the text stops before
+        # it. A text that keeps special tokens is made there too (its last token's rule: add_final).
         stop_texts = {
             r.uid: IncrementalDetokenizer(
-                self.tokenizer, r.params.stop, keep_stop=r.params.include_stop_str_in_output
+                self.tokenizer,
+                r.params.stop,
+                skip_special_tokens=r.params.skip_special_tokens,
+                keep_stop=r.params.include_stop_str_in_output,
             )
             for r in reqs
-            if r.params.stop and self.tokenizer is not None
+            if (r.params.stop or not r.params.skip_special_tokens) and self.tokenizer is not None
         }
         while pending:
             for out in runner.step():
                 detok = stop_texts.get(out.uid)
                 if detok is not None and out.token_id is not None:
-                    detok.add(out.token_id)
+                    detok.add_final(out.token_id, out.finish_reason == FinishReason.STOP)
                     if detok.matched_stop is not None and not out.finish_reason:
                         runner.abort(out.uid)
                         out.finish_reason = FinishReason.STOP

@@ -91,6 +91,7 @@ class StreamStart(Message):
     prompt_tokens: int
     stop: list[str] = msgspec.field(default_factory=list)
     keep_stop: bool = False  # include_stop_str_in_output: the matched stop string stays in the text
+    skip_special_tokens: bool = True
     prompt_text: str | None = None  # sent with the first reply (echo), then forgotten
 
 

@@ -50,7 +50,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v in (None, 1),
     "use_beam_search": lambda v: not v,
     "length_penalty": lambda v: v in (None, 1, 1.0),
-    "skip_special_tokens": lambda v: v in (None, True),
     "spaces_between_special_tokens": lambda v: v in (None, True),
     "logits_processors": lambda v: not v,
     "functions": lambda v: not v,  # OpenAI's deprecated form of tools

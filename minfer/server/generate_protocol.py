@@ -34,7 +34,6 @@ SGLANG_NAMES = {
 # minfer does, a 400 otherwise (see body.UNSUPPORTED_FIELDS).
 UNSUPPORTED_SAMPLING_PARAMS: dict[str, Callable[[Any], bool]] = {
     "n": lambda v: v in (None, 1),
-    "skip_special_tokens": lambda v: v in (None, True),
     "spaces_between_special_tokens": lambda v: v in (None, True),
     "stop_regex": lambda v: not v,
     "custom_params": lambda v: not v,
@@ -56,6 +55,7 @@ class GenerateSamplingParams(Body):
     stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
     no_stop_trim: bool = False  # the matched stop string stays in the text
+    skip_special_tokens: bool = True
     sampling_seed: Int | None = None
     seed: Int | None = None
     frequency_penalty: float = 0.0
@@ -109,6 +109,7 @@ class GenerateRequestBody(Body):
                 "stop": stop_list(sp.stop),
                 "stop_token_ids": sp.stop_token_ids,
                 "include_stop_str_in_output": sp.no_stop_trim,
+                "skip_special_tokens": sp.skip_special_tokens,
                 "ignore_eos": sp.ignore_eos,
                 "seed": sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
                 "frequency_penalty": sp.frequency_penalty,

@@ -108,6 +108,7 @@ class OpenAISamplingFields(ConstraintFields):
     allowed_token_ids: AllowedTokenIds | None = None  # vLLM's extensions, as SamplingParams'
     bad_words: BadWords | None = None
     truncate_prompt_tokens: Int | None = None
+    skip_special_tokens: bool | None = None
     user: str | None = None
     timeout: Timeout | None = None  # seconds; then the request is aborted (finish_reason "abort")
     # vLLM's: the prompt tokens' log-probabilities with this many alternatives each, in the
@@ -146,6 +147,7 @@ class OpenAISamplingFields(ConstraintFields):
                 "allowed_token_ids": self.allowed_token_ids,
                 "bad_words": self.bad_words,
                 "truncate_prompt_tokens": self.truncate_prompt_tokens,
+                "skip_special_tokens": self.skip_special_tokens,
                 "logprobs": logprobs,
                 "prompt_logprobs": prompt_logprobs,
                 "structured_output": self.structured_output(),

@@ -57,12 +57,25 @@ class IncrementalDetokenizer:
         keep_stop: bool = False,
     ):
         self.stream, self.backend = make_stream(tokenizer, skip_special_tokens) if tokenizer else (None, None)
+        self.skip = skip_special_tokens
+        # Only a text that shows special tokens needs them (add_final).
+        self.special_ids = (
+            frozenset() if skip_special_tokens else frozenset(getattr(tokenizer, "all_special_ids", ()))
+        )
         self.stop = [s for s in (stop or []) if s]
         self.keep_stop = keep_stop  # the matched stop string stays at the end of the text
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""  # everything decoded so far (cut at the stop string once one matched)
         self.sent = 0  # characters of `text` handed out
         self.matched_stop: str | None = None
+
+    def add_final(self, token_id: int, ends_as_stop_token: bool) -> str:
+        """`add` for a request's token, unless it is a special token that ended the request (EOS,
+        a special stop token) and the text shows special tokens: that one stays out of the text,
+        as a skipped special token would, unless the request keeps its stop (vLLM's rule)."""
+        if ends_as_stop_token and not self.skip and not self.keep_stop and token_id in self.special_ids:
+            return ""
+        return self.add(token_id)
 
     def add(self, token_id: int) -> str:
         """Feed the next token; return the text that became final (often '', never revised).

@@ -74,7 +74,12 @@ class DetokenizerWorker:
             self.detokenize(msg)
         elif isinstance(msg, m.StreamStart):
             self.requests[msg.uid] = _Detok(
-                IncrementalDetokenizer(self.tokenizer, msg.stop, keep_stop=msg.keep_stop),
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    msg.stop,
+                    skip_special_tokens=msg.skip_special_tokens,
+                    keep_stop=msg.keep_stop,
+                ),
                 msg.prompt_tokens,
                 prompt_text=msg.prompt_text,
             )
@@ -100,7 +105,7 @@ class DetokenizerWorker:
             if token is not None:
                 state.completion_tokens += 1
                 tokens = [token]
-                text = detok.add(token)
+                text = detok.add_final(token, finish == "stop")  # the scheduler's "stop": a stop token
                 if detok.matched_stop is not None:
                     if finish is None:  # still running in the scheduler: free its KV now
                         self.send_scheduler(m.AbortRequest(uid=uid))

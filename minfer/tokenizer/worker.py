@@ -101,6 +101,7 @@ class TokenizerWorker:
             prompt_tokens=len(ids),
             stop=req.params.stop,
             keep_stop=req.params.include_stop_str_in_output,
+            skip_special_tokens=req.params.skip_special_tokens,
             prompt_text=prompt_text,
         )
         self.send_scheduler(

@@ -474,11 +474,11 @@ BAD_REQUESTS = [
     ("best_of above n", COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("beam search", CHAT, {"messages": HELLO, "use_beam_search": True}, 400, "use_beam_search"),
     (
-        "special tokens kept",
+        "logits processors",
         CHAT,
-        {"messages": HELLO, "skip_special_tokens": False},
+        {"messages": HELLO, "logits_processors": ["my.module:Processor"]},
         400,
-        "skip_special_tokens",
+        "logits_processors",
     ),
     (
         "special tokens spaced differently",

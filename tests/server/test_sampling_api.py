@@ -1,5 +1,5 @@
 """Logprobs (completions with echo, chat, /generate), penalties and logit_bias, min_tokens,
-allowed_token_ids, bad_words and truncate_prompt_tokens, n > 1 and structured output against a real `minfer serve` (tiny random model, real tokenizer).
+allowed_token_ids, bad_words, truncate_prompt_tokens and skip_special_tokens, n > 1 and structured output against a real `minfer serve` (tiny random model, real tokenizer).
 
 The reference for logprobs is transformers' own forward pass of the same checkpoint: the server
 reports the raw distribution, log-softmax of the logits (docs/SERVING.md)."""
@@ -329,6 +329,38 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server):
         client.completions.create(prompt=huge, **greedy)
     fitted = client.completions.create(prompt=huge, extra_body={"truncate_prompt_tokens": -1}, **greedy)
     assert fitted.usage.prompt_tokens == context - 6 and fitted.usage.completion_tokens == 6
+
+
+def test_skip_special_tokens_false_shows_them_but_not_the_ending_one(server):
+    """vLLM's skip_special_tokens: false keeps special tokens' text, except that of the special
+    token that ended the request (EOS), which include_stop_str_in_output keeps too; /generate
+    takes SGLang's spelling of the same field."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    special = prompt_ids(server, "<|im_start|>")
+    assert len(special) == 1
+    forced = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "logit_bias": {str(special[0]): 100}}
+    assert client.completions.create(**forced).choices[0].text == ""
+    shown = client.completions.create(**forced, extra_body={"skip_special_tokens": False})
+    assert shown.choices[0].text == "<|im_start|>" * 3
+    eos = server.info()["eos_token_ids"][0]
+    ending = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "logit_bias": {str(eos): 100}}
+    ended = client.completions.create(**ending, extra_body={"skip_special_tokens": False})
+    assert ended.choices[0].text == "" and ended.choices[0].finish_reason == "stop"
+    kept = client.completions.create(
+        **ending, extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True}
+    )
+    assert kept.choices[0].text == detokenized(server, [eos]) != ""
+    body = {
+        "text": PROMPT,
+        "sampling_params": {
+            "max_new_tokens": 3,
+            "skip_special_tokens": False,
+            "logit_bias": {str(special[0]): 100},
+        },
+    }
+    assert server.post("/generate", body).json()["text"] == "<|im_start|>" * 3
 
 
 @pytest.mark.parametrize(
