@@ -81,13 +81,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._param_list(len(prompts), sampling_params)
-        ids = [  # a text prompt is cut to truncate_prompt_tokens as it is tokenized (no length refusal)
-            self.intake.encode(prompt=p, keep_last=self.intake.keep_last(sp))
-            if isinstance(p, str)
-            else list(p)
-            for p, sp in zip(prompts, params)
-        ]
-        return self.generate_ids(ids, params, use_tqdm)
+        return self._generate([self._prompt_ids(p, sp) for p, sp in zip(prompts, params)], params, use_tqdm)
 
     def chat(
         self,
@@ -124,6 +118,14 @@ class LLM:
             p.validate()
         return params
 
+    def _prompt_ids(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """A prompt's token ids, cut to params.truncate_prompt_tokens (a text as it is tokenized,
+        so a text over the context is not refused)."""
+        keep_last = self.intake.keep_last(params)
+        if isinstance(prompt, str):
+            return self.intake.encode(prompt=prompt, keep_last=keep_last)
+        return prompt if keep_last is None else self.intake.encode(prompt_ids=prompt, keep_last=keep_last)
+
     def generate_ids(
         self,
         prompts: list[list[int]],
@@ -131,12 +133,14 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         params = self._param_list(len(prompts), sampling_params)
+        return self._generate([self._prompt_ids(p, sp) for p, sp in zip(prompts, params)], params, use_tqdm)
+
+    def _generate(
+        self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        """Run token-id prompts with their validated params to completion."""
         runner = self.runner
         params = [with_bad_words_ids(self.tokenizer, p) for p in params]
-        prompts = [
-            self.intake.encode(prompt_ids=ids, keep_last=self.intake.keep_last(p))
-            for ids, p in zip(prompts, params)
-        ]
         reqs = [runner.add(ids, p) for ids, p in zip(prompts, params)]
         pending = {r.uid for r in reqs}
         by_uid = {r.uid: r for r in reqs}

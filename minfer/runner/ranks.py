@@ -41,8 +41,6 @@ PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 def free_local_addr() -> str:
     """An address on this host that was free a moment ago (tests that start two nodes by hand)."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"

@@ -57,8 +57,7 @@ class IncrementalDetokenizer:
         keep_stop: bool = False,
     ):
         self.stream, self.backend = make_stream(tokenizer, skip_special_tokens) if tokenizer else (None, None)
-        self.skip = skip_special_tokens
-        # Only a text that shows special tokens needs them (add_final).
+        # The special tokens add_final keeps out, wherever the text shows special tokens.
         self.special_ids = (
             frozenset() if skip_special_tokens else frozenset(getattr(tokenizer, "all_special_ids", ()))
         )
@@ -73,7 +72,7 @@ class IncrementalDetokenizer:
         """`add` for a request's token, unless it is a special token that ended the request (EOS,
         a special stop token) and the text shows special tokens: that one stays out of the text,
         as a skipped special token would, unless the request keeps its stop (vLLM's rule)."""
-        if ends_as_stop_token and not self.skip and not self.keep_stop and token_id in self.special_ids:
+        if ends_as_stop_token and not self.keep_stop and token_id in self.special_ids:
             return ""
         return self.add(token_id)
 

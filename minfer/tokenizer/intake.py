@@ -144,17 +144,25 @@ class PromptEncoder:
         """Exactly one of `prompt` (text), `prompt_ids` or `messages` (chat, with `tools` and
         extra chat-template variables) is given. `keep_last`: keep only the last that many tokens
         (`keep_last(params)`)."""
-        ids = self._encode(
-            prompt,
-            prompt_ids,
-            messages,
-            add_special_tokens,
-            tools,
-            template_kwargs,
-            add_generation_prompt,
-            continue_final_message,
-            truncating=keep_last is not None,
-        )
+        truncating = keep_last is not None
+        if messages is not None:
+            size = text_bytes(messages) + text_bytes(tools or []) + text_bytes(template_kwargs or {})
+            self.meter.check_bytes(size, "messages")
+            text = render_chat_text(
+                self.tokenizer,
+                messages,
+                add_generation_prompt,
+                tools,
+                template_kwargs,
+                continue_final_message,
+            )
+            ids = self.meter.encode(text, add_special_tokens=False, param="messages", truncating=truncating)
+        elif prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
+            ids = self.meter.encode(prompt, add_special_tokens, truncating=truncating)
+        else:
+            ids = list(prompt_ids or [])
         if keep_last is None or len(ids) <= keep_last:
             return ids
         # A BOS the tokenizer put first stays first, as a tokenizer truncating from the left keeps it.
@@ -175,33 +183,3 @@ class PromptEncoder:
     def bos_prefix(self) -> list[int]:
         """The tokens the tokenizer puts before any text (a BOS, or none)."""
         return self.tokenizer.encode("", add_special_tokens=True) if self.tokenizer is not None else []
-
-    def _encode(
-        self,
-        prompt: str | None,
-        prompt_ids: list[int] | None,
-        messages: list[dict] | None,
-        add_special_tokens: bool,
-        tools: list[dict] | None,
-        template_kwargs: dict | None,
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        truncating: bool = False,
-    ) -> list[int]:
-        if messages is not None:
-            size = text_bytes(messages) + text_bytes(tools or []) + text_bytes(template_kwargs or {})
-            self.meter.check_bytes(size, "messages")
-            text = render_chat_text(
-                self.tokenizer,
-                messages,
-                add_generation_prompt,
-                tools,
-                template_kwargs,
-                continue_final_message,
-            )
-            return self.meter.encode(text, add_special_tokens=False, param="messages", truncating=truncating)
-        if prompt is not None:
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
-            return self.meter.encode(prompt, add_special_tokens, truncating=truncating)
-        return list(prompt_ids or [])

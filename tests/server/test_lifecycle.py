@@ -135,19 +135,25 @@ def test_worker_that_fails_to_start_is_reported(tiny_chat_model, tmp_path):
     assert "failed to start" in log.read_text()
 
 
+def serve_until_loading(model: str, log, out) -> subprocess.Popen:
+    """`minfer serve model --port 0`, its output into `out` (the file `log`), once it says it loads."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minfer", "serve", model, "--port", "0"],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    deadline = time.monotonic() + 60
+    while "loading" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
 def test_sigterm_while_loading(tiny_chat_model, tmp_path):
     log = tmp_path / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "minfer", "serve", tiny_chat_model, "--port", "0"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
-        deadline = time.monotonic() + 60
-        while "loading" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        proc = serve_until_loading(tiny_chat_model, log, out)
         children = child_pids(proc.pid)
         assert len(children) >= 3  # the three workers (and multiprocessing's resource tracker)
         proc.send_signal(signal.SIGTERM)
@@ -162,17 +168,8 @@ def test_port_is_held_while_loading(tiny_chat_model, tmp_path):
     client that connects during the load is answered once the server is up."""
     log = tmp_path / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "minfer", "serve", tiny_chat_model, "--port", "0"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
+        proc = serve_until_loading(tiny_chat_model, log, out)
         try:
-            deadline = time.monotonic() + 60
-            while "loading" not in log.read_text() and time.monotonic() < deadline:
-                time.sleep(0.05)
             assert "serving" not in log.read_text()  # still loading: nobody listens yet
             port = int(re.search(r"to serve on port (\d+)", log.read_text()).group(1))
             with socket.socket() as other, pytest.raises(OSError) as taken:
