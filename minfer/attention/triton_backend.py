@@ -47,6 +47,7 @@ class TritonAttentionBackend:
         """
         meta = ctx.attn
         pool = ctx.kv_pool
+        assert not pool.head_major, "the Triton kernels index a slot-major pool"
         k_pool, v_pool = pool.k[layer], pool.v[layer]
         # An fp8 pool's kernels widen K/V in registers and apply the layer's per-head scales.
         scales = pool.kernel_scales[layer]

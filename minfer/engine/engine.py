@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minfer.attention.base import ForwardContext, build_metadata
+from minfer.attention.choice import make_attention_backend, wants_head_major_pool
 from minfer.config import (
     ConfigError,
     EngineConfig,
@@ -51,20 +52,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device cuda: torch {torch.__version__} sees no CUDA device")
     return torch.device(name)
-
-
-def make_attention_backend(name: str, device: torch.device, low_bit: bool = False):
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        from minfer.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    from minfer.attention.torch_backend import TorchAttentionBackend
-    from minfer.attention.torch_fast import FastTorchAttentionBackend
-
-    # A --quantization model (low_bit) takes the faster path; the default float32 one stays bit-identical.
-    return FastTorchAttentionBackend() if low_bit else TorchAttentionBackend()
 
 
 @dataclass
@@ -216,6 +203,7 @@ class Engine:
             self.dtype,
             self.device,
             config.kv_cache_dtype,
+            head_major=wants_head_major_pool(self.backend, self.device),
         )
         self.host_kv_pool: HostKVPool | None = None  # the second KV tier, behind the radix cache
         if config.host_kv_cache_gb > 0:

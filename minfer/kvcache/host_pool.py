@@ -1,7 +1,8 @@
 """The host KV pool: the second cache tier's storage, page-major raw bytes in host memory.
 
 Host page p is ONE contiguous block `data[p]` of `page_bytes` holding every layer's K and V
-rows of its `page_size` slots, laid out [layer, k|v, slot in page, row bytes]. A run of
+rows of its `page_size` slots, laid out [layer, k|v, slot in page, row bytes] (for a head-major
+device pool [layer, k|v, kv head, slot in page, head row bytes]: see `transfer_units`). A run of
 consecutive host pages is therefore one contiguous range, copied to or from the device in a
 single transfer (minfer/kvcache/host_tier.py), where a per-layer layout would need one copy
 per layer and K/V. The bytes are the device pool's rows as stored (any dtype: an fp8 cache's
@@ -39,28 +40,32 @@ def row_bytes(device_pool: KVPool) -> int:
     return sum(t[0].numel() * t.element_size() for t in (*device_pool.k, *device_pool.v))
 
 
-def layer_row_bytes(device_pool: KVPool) -> int:
-    """Bytes of one token's K (or V) row in one layer (every layer's rows have one shape)."""
-    return device_pool.k[0][0].numel() * device_pool.k[0].element_size()
+def transfer_units(device_pool: KVPool) -> tuple[int, int]:
+    """(units, row bytes): the storage as `units` blocks of one row per slot, the rows of
+    consecutive slots adjacent. A slot-major pool has a unit per layer and K|V (a row: every
+    head of a token); a head-major one a unit per layer, K|V and head (a row: one head)."""
+    row = device_pool.head_dim * device_pool.storage.element_size()
+    units = 2 * device_pool.num_layers
+    if device_pool.head_major:
+        return units * device_pool.num_kv_heads, row
+    return units, row * device_pool.num_kv_heads
 
 
 def transfer_word(device_pool: KVPool) -> torch.dtype:
     """The widest integer type a row's bytes divide into: device-side scatters and gathers move
     raw rows as these words, 8x fewer elements than bytes (the values are never read as such)."""
-    rb = layer_row_bytes(device_pool)
+    rb = transfer_units(device_pool)[1]
     return next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if rb % w.itemsize == 0)
 
 
 def device_page_view(device_pool: KVPool, page_size: int) -> torch.Tensor:
-    """The device pool's storage seen as host-laid-out pages: [device page, layer * 2 + k|v,
-    page_size * row words] (a strided view of the same memory; words: see transfer_word).
+    """The device pool's storage seen as host-laid-out pages: [device page, unit, page_size *
+    row words] (a strided view of the same memory; units: transfer_units, words: transfer_word).
     Page d of it holds what a host page holds for device page d, so a transfer of n pages is
-    one index_select / index_copy_ along dim 0 against a [n, layers * 2, ...] staging block."""
+    one index_select / index_copy_ along dim 0 against a [n, units, ...] staging block."""
+    units, row = transfer_units(device_pool)
     word = transfer_word(device_pool)
-    words = layer_row_bytes(device_pool) // word.itemsize
-    storage = device_pool.storage
-    layers_kv = storage.shape[0] * storage.shape[1]
-    pages = storage.view(torch.uint8).view(layers_kv, -1, page_size * words * word.itemsize)
+    pages = device_pool.storage.view(torch.uint8).view(units, -1, page_size * row)
     return pages.view(word).transpose(0, 1)
 
 
@@ -74,20 +79,23 @@ class HostKVPool:
         self.bytes_per_token = row_bytes(device_pool)
         self.page_bytes = self.bytes_per_token * page_size
         self.allocator = PageAllocator(self.num_pages, page_size)
-        # [page, layer * 2 + k|v, slot and row words]: what `page_layout` reshapes pages to.
+        # [page, unit, slot and row words]: what `page_layout` reshapes pages to.
+        units, row = transfer_units(device_pool)
         self.word = transfer_word(device_pool)
-        row_words = layer_row_bytes(device_pool) // self.word.itemsize
-        self.page_shape = (2 * device_pool.num_layers, page_size * row_words)
+        self.page_shape = (units, page_size * row // self.word.itemsize)
         self.data = torch.zeros((self.num_pages, self.page_bytes), dtype=torch.uint8, pin_memory=pin)
-        # The same bytes typed as the device pool stores them, for reading (tests, debugging).
-        kv_shape = (device_pool.num_kv_heads, device_pool.head_dim)
-        self.pages = self.data.view(device_pool.storage_dtype).view(
-            self.num_pages, device_pool.num_layers, 2, page_size, *kv_shape
-        )
+        # The same bytes typed as the device pool stores them, for reading (tests, debugging):
+        # [page, layer, k|v, slot in page, kv head, dim] whatever the layout.
+        heads, dim, layers = device_pool.num_kv_heads, device_pool.head_dim, device_pool.num_layers
+        typed = self.data.view(device_pool.storage_dtype)
+        if device_pool.head_major:
+            self.pages = typed.view(self.num_pages, layers, 2, heads, page_size, dim).transpose(3, 4)
+        else:
+            self.pages = typed.view(self.num_pages, layers, 2, page_size, heads, dim)
 
     def page_layout(self, block: torch.Tensor) -> torch.Tensor:
-        """A [n, page_bytes] uint8 block (host pages or a device staging buffer) as [n, layer * 2
-        + k|v, slot and row words], the shape of `device_page_view`'s pages."""
+        """A [n, page_bytes] uint8 block (host pages or a device staging buffer) as [n, unit, slot
+        and row words], the shape of `device_page_view`'s pages."""
         return block.view(self.word).view(block.shape[0], *self.page_shape)
 
     @property

@@ -21,13 +21,22 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of quantize_fp8, in `dtype` (what the Triton kernels compute in registers)."""
-    return (x.float() * scale[:, None]).to(dtype)
+    """The inverse of quantize_fp8, in `dtype` (what the Triton kernels compute in registers);
+    `scale` shaped to broadcast over x's head axis."""
+    return (x.float() * scale).to(dtype)
 
 
 class KVPool:
     """Per-layer K/V tensors of shape [num_slots + page_size, num_kv_heads, head_dim], views of
-    one `storage` tensor.
+    one `storage` tensor, and the same memory seen head first (`heads(layer)`: [num_kv_heads,
+    num_slots + page_size, head_dim]).
+
+    Two layouts of `storage`, one meaning: slot-major [layer, k|v, slot, kv head, dim], which the
+    Triton kernels index (a slot's heads one contiguous row), and head-major [layer, k|v, kv head,
+    slot, dim], which the CPU torch backend asks for (`head_major`): there each head's keys of a
+    request are one contiguous matrix, and a decode step's q.k and p.v run about twice as fast
+    as over the slot-major rows (docs/BENCHMARKS.md, CPU decode attention at long contexts).
+    `k`/`v` and every method below mean the same in both; only `storage` differs.
 
     The last page (slots num_slots .. num_slots + page_size - 1) is never handed out: padded
     rows of a CUDA-graph batch write their K/V there, so they cannot corrupt a real request.
@@ -49,6 +58,7 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         kv_cache_dtype: str = "auto",
+        head_major: bool = False,
     ):
         self.num_layers = num_layers
         self.num_slots = num_slots
@@ -58,16 +68,16 @@ class KVPool:
         self.dtype = dtype  # what gather() returns and attention computes in
         self.storage_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
         self.quantized = self.storage_dtype != dtype
-        # One allocation [layer, k|v, slot, kv head, dim], each layer's K and V a contiguous view
-        # of it: the host tier moves a page of every layer with ONE gather or scatter kernel
-        # over this tensor (minfer/kvcache/host_tier.py) instead of one per layer and K/V.
-        self.storage = torch.zeros(
-            (num_layers, 2, num_slots + page_size, num_kv_heads, head_dim),
-            dtype=self.storage_dtype,
-            device=device,
-        )
-        self.k = [self.storage[i, 0] for i in range(num_layers)]
-        self.v = [self.storage[i, 1] for i in range(num_layers)]
+        self.head_major = head_major
+        # One allocation, each layer's K and V a contiguous block of it: the host tier moves a
+        # page of every layer with ONE gather or scatter kernel over this tensor
+        # (minfer/kvcache/host_tier.py) instead of one per layer and K/V.
+        slots = num_slots + page_size
+        per_layer = (num_kv_heads, slots, head_dim) if head_major else (slots, num_kv_heads, head_dim)
+        self.storage = torch.zeros((num_layers, 2, *per_layer), dtype=self.storage_dtype, device=device)
+        # [slot, kv head, dim] in both layouts (a strided view of a head-major pool).
+        self.k = [self._slot_first(self.storage[i, 0]) for i in range(num_layers)]
+        self.v = [self._slot_first(self.storage[i, 1]) for i in range(num_layers)]
         self.k_scale = torch.ones((num_layers, num_kv_heads), dtype=torch.float32, device=device)
         self.v_scale = torch.ones((num_layers, num_kv_heads), dtype=torch.float32, device=device)
         # What the Triton kernels take for each layer (views: set_scales updates them in place),
@@ -76,6 +86,14 @@ class KVPool:
             {"k_scale": self.k_scale[i], "v_scale": self.v_scale[i]} if self.quantized else {}
             for i in range(num_layers)
         ]
+
+    def _slot_first(self, block: torch.Tensor) -> torch.Tensor:
+        return block.transpose(0, 1) if self.head_major else block
+
+    def heads(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V head first, [kv head, slot, dim]: views, contiguous per head
+        in a head-major pool. (Taken from `k`/`v` on each call, so they follow those lists.)"""
+        return self.k[layer].transpose(0, 1), self.v[layer].transpose(0, 1)
 
     @staticmethod
     def bytes_per_token(
@@ -108,8 +126,21 @@ class KVPool:
         # index_select, not k[slots]: advanced indexing on CPU goes through a parallel kernel
         # whose thread wake-up costs milliseconds on a busy machine.
         k, v = self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
-        if self.quantized:
-            return dequantize_fp8(k, self.k_scale[layer], self.dtype), dequantize_fp8(
-                v, self.v_scale[layer], self.dtype
-            )
-        return k, v
+        return self._decoded(layer, k, v, head_axis=1)
+
+    def gather_heads(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` head first, each [Hk, S, D] and contiguous, in the compute dtype:
+        what a head-major pool copies fastest and per-head matmuls read best."""
+        k, v = (t.index_select(1, slots) for t in self.heads(layer))
+        return self._decoded(layer, k, v, head_axis=0)
+
+    def _decoded(self, layer: int, k: torch.Tensor, v: torch.Tensor, head_axis: int):
+        """Gathered K/V in the compute dtype: an fp8 pool's bytes times their head's scale."""
+        if not self.quantized:
+            return k, v
+        shape = [1] * k.dim()
+        shape[head_axis] = -1
+        return (
+            dequantize_fp8(k, self.k_scale[layer].view(shape), self.dtype),
+            dequantize_fp8(v, self.v_scale[layer].view(shape), self.dtype),
+        )

@@ -129,12 +129,13 @@ def test_backends_window(backend_type, is_decode, device):
         torch.testing.assert_close(out, reference(w), **tolerance(dtype))
 
 
-def test_fast_backend_lone_stream_reads_only_the_window():
+@pytest.mark.parametrize("head_major", [True, False])
+def test_torch_backend_lone_run_reads_only_the_window(head_major):
     """A lone request on one ascending run of slots decodes over a view of the pool: with a
     window, over the run's last `window` slots."""
     dtype, device, window = torch.float32, torch.device("cpu"), 24
     gen = torch.Generator().manual_seed(4)
-    pool = KVPool(1, 300, NUM_KV_HEADS, HEAD_DIM, 1, dtype, device)
+    pool = KVPool(1, 300, NUM_KV_HEADS, HEAD_DIM, 1, dtype, device, head_major=head_major)
     pool.k[0].normal_(generator=gen)
     pool.v[0].normal_(generator=gen)
     page_table = torch.arange(256, dtype=torch.int32).view(1, 256) + 7
@@ -142,7 +143,7 @@ def test_fast_backend_lone_stream_reads_only_the_window():
     q = torch.randn(1, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen)
     backend = FastTorchAttentionBackend()
     out = backend.forward(q, 0, ForwardContext(meta, pool, backend, torch.empty(0)), 0.125, window=window)
-    assert backend.decode_plan(meta, window).runs == [(7 + 100 - window, window)]
+    assert backend.decode_plan(meta, window).run == (7 + 100 - window, window)
     expected = decode_attention_reference(
         q, pool.k[0], pool.v[0], page_table, meta.table_idx, meta.seq_lens, 0.125, window=window
     )

@@ -1,5 +1,6 @@
 """Transfers of the host KV tier through its staging buffers: pages scattered on both sides,
-in any order, in chunks smaller than the transfer, come back bit for bit (float32 and fp8)."""
+in any order, in chunks smaller than the transfer, come back bit for bit (float32 and fp8; device
+pools slot-major as on a GPU and head-major as on the CPU)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ from minfer.kvcache.pool import KVPool
 PS, LAYERS, DEVICE_PAGES, HOST_PAGES = 4, 3, 12, 16
 
 
-def make_tier(kv_cache_dtype: str, staging_pages: int | None, heads=2, head_dim=8, dtype=torch.float32):
-    pool = KVPool(LAYERS, DEVICE_PAGES * PS, heads, head_dim, PS, dtype, torch.device("cpu"), kv_cache_dtype)
+def make_tier(
+    kv_cache_dtype: str, staging_pages: int | None, heads=2, head_dim=8, dtype=torch.float32, head_major=False
+):
+    pool = KVPool(
+        LAYERS, DEVICE_PAGES * PS, heads, head_dim, PS, dtype, torch.device("cpu"), kv_cache_dtype, head_major
+    )
     host = HostKVPool(pool, HOST_PAGES * PS, PS, pin=False)
     return pool, HostTier(pool, host, staging_pages)
 
@@ -44,16 +49,26 @@ DEVICE_SRC, HOST = [7, 2, 9, 0, 5], [11, 4, 12, 3, 5]
 DEVICE_DST = [1, 10, 3, 8, 11]
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["slot-major", "head-major"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("staging_pages", [1, 3, None], ids=["1-page", "3-page", "default"])
-def test_round_trip_is_bit_exact_with_scattered_pages_and_chunks(kv_cache_dtype, staging_pages):
-    round_trip(*make_tier(kv_cache_dtype, staging_pages))
+def test_round_trip_is_bit_exact_with_scattered_pages_and_chunks(kv_cache_dtype, staging_pages, head_major):
+    round_trip(*make_tier(kv_cache_dtype, staging_pages, head_major=head_major))
 
 
-# Raw rows of 6 and 5 bytes: moved as int16 words and as bytes (8-byte words do not divide them).
-@pytest.mark.parametrize("heads, head_dim, word", [(2, 3, torch.int16), (1, 5, torch.uint8)])
-def test_round_trip_of_rows_no_wide_word_divides(heads, head_dim, word):
-    pool, tier = make_tier("auto", 2, heads, head_dim, torch.uint8)
+# Raw rows of 6 and 5 bytes: moved as int16 words and as bytes (8-byte words do not divide them);
+# a head-major pool's rows are one head's: 3 bytes of (2, 3) move as bytes too.
+@pytest.mark.parametrize(
+    "heads, head_dim, head_major, word",
+    [
+        (2, 3, False, torch.int16),
+        (1, 5, False, torch.uint8),
+        (2, 3, True, torch.uint8),
+        (2, 4, True, torch.int32),
+    ],
+)
+def test_round_trip_of_rows_no_wide_word_divides(heads, head_dim, head_major, word):
+    pool, tier = make_tier("auto", 2, heads, head_dim, torch.uint8, head_major)
     assert tier.host.word == word and tier.dev_pages.dtype == word
     round_trip(pool, tier)
 

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from test_gguf import private_cache, tiny_model, write_gguf  # noqa: F401 - private_cache is autouse
 
+from minfer.attention.choice import make_attention_backend
 from minfer.attention.torch_backend import TorchAttentionBackend
 from minfer.attention.torch_fast import FastTorchAttentionBackend
 from minfer.config import ConfigError
-from minfer.engine.engine import make_attention_backend
 from minfer.layers.quantized_linear import (
     dense_dtype,
     dequantize_int4,
