@@ -11,7 +11,9 @@ longest sequence (padding keys masked out), so its cost does not grow with Pytho
 request: the per-request loop cost ~0.1 ms per request per layer, 0.2 s per step at 64
 requests on the default model's 30 layers. Grouped-query heads share their K/V through the
 matmul's shape rather than a repeat_interleave copy (at batch 1 and 450 cached tokens that
-copy was ~60 MB per step on the default model, more than its 4-bit weights).
+copy was ~60 MB per step on the default model, more than its 4-bit weights). On the CPU the
+pool is head-major (KVPool), so each (KV head, request) pair's keys are one contiguous matrix;
+a lone request whose slots are one run is read in place, without a gather.
 """
 
 from __future__ import annotations
@@ -139,6 +141,7 @@ class TorchAttentionBackend:
         """The pass's K and V head first, [Hk, B * S, D] float32, and the additive mask over
         them ([Hk * B, 1, S]; None where every key is visible): a lone run read in place (a view
         of the pool, only the keys it sees), otherwise gathered through the plan's slots."""
+        # In place only where nothing needs converting: the matmuls run in float32.
         if plan.run is not None and not pool.quantized and pool.k[layer].dtype == torch.float32:
             keys = slice(plan.run[0], plan.run[0] + plan.run[1])
             k, v = pool.heads(layer)
