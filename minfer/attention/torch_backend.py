@@ -93,13 +93,13 @@ class TorchAttentionBackend:
     @staticmethod
     def requests_kv(ctx: ForwardContext, layer: int):
         """Per request of a prefill pass: (index, first query row, prefix, extend, k, v), with
-        k, v [prefix + extend, Hk, D] gathered through its page-table row."""
+        k, v [Hk, prefix + extend, D] gathered head first through its page-table row."""
         meta = ctx.attn
         start = 0
         table_idx = meta.table_idx.tolist() if meta.table_idx.device.type != "cpu" else meta.table_idx
         for i, (prefix, extend) in enumerate(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)):
             slots = meta.page_table[int(table_idx[i]), : prefix + extend].long()
-            k, v = ctx.kv_pool.gather(layer, slots)
+            k, v = ctx.kv_pool.gather_heads(layer, slots)
             yield i, start, prefix, extend, k, v
             start += extend
 
@@ -173,7 +173,6 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         for _, start, prefix, extend, k, v in self.requests_kv(ctx, layer):
             seq = prefix + extend
-            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hk, S, D]
             if group > 1:
                 k = k.repeat_interleave(group, dim=0)
                 v = v.repeat_interleave(group, dim=0)

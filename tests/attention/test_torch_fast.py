@@ -41,11 +41,12 @@ def _both(pool, page_table, table_idx, prefix_lens, extend_lens, is_decode, gen)
 @pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize(
     "prefix_lens, extend_lens",
-    [([0], [57]), ([40], [23]), ([0, 31, 90, 5], [16, 16, 1, 64])],  # fresh, prefix hit, mixed chunks
+    # fresh, prefix hit, mixed chunks; long enough for several of SDPA's key and query blocks
+    [([0], [57]), ([40], [23]), ([0, 31, 90, 5], [16, 16, 1, 64]), ([0, 300], [512, 212])],
 )
 def test_prefill_matches_reference(prefix_lens, extend_lens, head_major):
     gen = torch.Generator().manual_seed(1)
-    page_table = torch.stack([torch.randperm(NUM_SLOTS, generator=gen)[:200] for _ in range(5)]).int()
+    page_table = torch.stack([torch.randperm(NUM_SLOTS, generator=gen)[:512] for _ in range(5)]).int()
     _both(
         _pool(gen, head_major),
         page_table,
