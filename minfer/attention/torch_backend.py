@@ -54,14 +54,14 @@ class DecodePlan:
                 if window is not None and longest > window:  # only the window's keys: the run's end
                     first, longest = first + longest - window, window
                 self.run = (first, longest)
-        self._head_masks: dict[int, torch.Tensor] = {}
+        self._head_mask: torch.Tensor | None = None
 
     def head_mask(self, num_kv_heads: int) -> torch.Tensor:
-        """The mask repeated per KV head, [Hk * B, 1, S_max], for matmuls batched over both."""
-        mask = self._head_masks.get(num_kv_heads)
-        if mask is None:
-            mask = self._head_masks[num_kv_heads] = self.mask.repeat(num_kv_heads, 1, 1)
-        return mask
+        """The mask repeated per KV head, [Hk * B, 1, S_max], for matmuls batched over both
+        (built by the pass's first layer, shared by the others)."""
+        if self._head_mask is None:
+            self._head_mask = self.mask.repeat(num_kv_heads, 1, 1)
+        return self._head_mask
 
 
 class TorchAttentionBackend:
@@ -150,20 +150,17 @@ class TorchAttentionBackend:
         return k.float(), v.float(), plan.head_mask(pool.num_kv_heads)
 
     def _gather(self, pool, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at `slots` head first, [Hk, S, D], into buffers kept across layers and steps:
-        a fresh multi-MB tensor per layer cost more in page faults than the copy itself."""
-        if pool.quantized:  # fp8 storage dequantizes into new tensors anyway
-            return pool.gather_heads(layer, slots)
+        """K and V at `slots` head first, [Hk, S, D], copied into buffers kept across layers and
+        steps: a fresh multi-MB tensor per layer cost more in page faults than the copy itself."""
         shape = (pool.num_kv_heads, slots.numel(), pool.head_dim)
         size = shape[0] * shape[1] * shape[2]
-        if self._k_buf.numel() < size or self._k_buf.dtype != pool.k[layer].dtype:
+        if self._k_buf.numel() < size or self._k_buf.dtype != pool.storage_dtype:
             # Grown to the largest batch seen, never shrunk: a steady load reuses it.
-            self._k_buf = torch.empty(size, dtype=pool.k[layer].dtype, device=slots.device)
+            self._k_buf = torch.empty(size, dtype=pool.storage_dtype, device=slots.device)
             self._v_buf = torch.empty_like(self._k_buf)
-        k, v = pool.heads(layer)
-        k = torch.index_select(k, 1, slots, out=self._k_buf[:size].view(shape))
-        v = torch.index_select(v, 1, slots, out=self._v_buf[:size].view(shape))
-        return k, v
+        return pool.gather_heads(
+            layer, slots, out=(self._k_buf[:size].view(shape), self._v_buf[:size].view(shape))
+        )
 
     def _per_request(
         self, q: torch.Tensor, layer: int, ctx: ForwardContext, scale: float, window=None

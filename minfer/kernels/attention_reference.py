@@ -2,7 +2,7 @@
 scripts/gpu_check.py hold `decode_attention` and `extend_attention` to.
 
 Request by request, in float32, every mask spelled out; an fp8 pool is dequantized first, as
-KVPool.gather does. Decode is the one-query case of extend: the new token at seq_lens[b] - 1.
+KVPool.gather_heads does. Decode is the one-query case of extend: the new token at seq_lens[b] - 1.
 """
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ FP8_MAX = tl.constexpr(448.0)
 
 def gather_rows(pool: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype):
     """Pool rows at `slots` ([S, Hk, D]) as float32, for the torch references: an fp8 pool
-    times its per-head scales and rounded to the compute dtype (what KVPool.gather returns),
+    times its per-head scales and rounded to the compute dtype (what KVPool.gather_heads returns),
     any other pool as stored. fp8 rows are indexed as bytes: not every torch build indexes
     float8 tensors on every device."""
     if scale is None:

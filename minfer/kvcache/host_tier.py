@@ -1,6 +1,6 @@
 """Moving KV pages between the device pool and the host pool, and counting what moved.
 
-A transfer moves whole pages as raw bytes (never through `KVPool.gather`, so whatever the pool
+A transfer moves whole pages as raw bytes (never through `KVPool.gather_heads`, so whatever the pool
 stores, an fp8 cache included, comes back bit for bit), through a device staging buffer laid
 out like host pages (minfer/kvcache/host_pool.py: one page = one contiguous block across all
 layers). Pages are sorted by host page, so each run of consecutive host pages is ONE

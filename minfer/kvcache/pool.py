@@ -65,7 +65,7 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scratch_slot = num_slots
-        self.dtype = dtype  # what gather() returns and attention computes in
+        self.dtype = dtype  # what gather_heads() returns and attention computes in
         self.storage_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
         self.quantized = self.storage_dtype != dtype
         self.head_major = head_major
@@ -119,28 +119,20 @@ class KVPool:
         self.k[layer].index_copy_(0, out_loc, k)
         self.v[layer].index_copy_(0, out_loc, v)
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read step for the torch backend: K and V at `slots` ([S] int64), each [S, Hk, D], in
-        the dtype attention computes with. Every torch-side read of the pool goes through here,
-        so a change of storage format (a low-bit cache) has one place to decode."""
-        # index_select, not k[slots]: advanced indexing on CPU goes through a parallel kernel
+    def gather_heads(
+        self, layer: int, slots: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read step for the torch backends: K and V at `slots` ([S] int64) head first, each
+        [Hk, S, D] and contiguous, in the dtype attention computes with (copied into `out`, two
+        [Hk, S, D] tensors of the storage dtype, where given). Every torch-side read of the pool
+        goes through here, so a change of storage format (a low-bit cache) has one place to decode."""
+        # index_select, not k[:, slots]: advanced indexing on CPU goes through a parallel kernel
         # whose thread wake-up costs milliseconds on a busy machine.
-        k, v = self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
-        return self._decoded(layer, k, v, head_axis=1)
-
-    def gather_heads(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at `slots` head first, each [Hk, S, D] and contiguous, in the compute dtype:
-        what a head-major pool copies fastest and per-head matmuls read best."""
-        k, v = (t.index_select(1, slots) for t in self.heads(layer))
-        return self._decoded(layer, k, v, head_axis=0)
-
-    def _decoded(self, layer: int, k: torch.Tensor, v: torch.Tensor, head_axis: int):
-        """Gathered K/V in the compute dtype: an fp8 pool's bytes times their head's scale."""
-        if not self.quantized:
-            return k, v
-        shape = [1] * k.dim()
-        shape[head_axis] = -1
-        return (
-            dequantize_fp8(k, self.k_scale[layer].view(shape), self.dtype),
-            dequantize_fp8(v, self.v_scale[layer].view(shape), self.dtype),
-        )
+        k_out, v_out = out or (None, None)
+        k_heads, v_heads = self.heads(layer)
+        k = torch.index_select(k_heads, 1, slots, out=k_out)
+        v = torch.index_select(v_heads, 1, slots, out=v_out)
+        if self.quantized:  # an fp8 pool's bytes times their head's scale
+            k = dequantize_fp8(k, self.k_scale[layer][:, None, None], self.dtype)
+            v = dequantize_fp8(v, self.v_scale[layer][:, None, None], self.dtype)
+        return k, v
