@@ -44,7 +44,7 @@ from minfer.kernels import common, gemv  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # A program that has polled this often without seeing every arrival gives up and raises the
 # error flag: a grid that is not wholly resident would otherwise hang the GPU.
-SPIN_LIMIT = 1 << 16
+SPIN_LIMIT = tl.constexpr(1 << 16)
 
 
 @triton.jit
@@ -357,16 +357,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--check", action="store_true", help="the interpreter's arithmetic check (CPU)")
+    parser.add_argument(
+        "--configs",
+        nargs="*",
+        help="persistent launches to time instead of the default set: P,BLOCK_G,BLOCK_D,warps",
+    )
+    parser.add_argument("--no-barriers", action="store_true", help="skip the barrier-alone table")
     args = parser.parse_args()
     if args.check or INTERPRET:
         check_interpreted()
         return
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     sms = common.num_sms(torch.device("cuda"))
-    barrier_cost(sms)
+    if not args.no_barriers:
+        barrier_cost(sms)
     for model in args.models:
         hidden, inter, _ = MODELS[model]
         configs = []
+        if args.configs:
+            for text in args.configs:
+                configs.append((*map(int, text.split(",")), 0))
+            mlp_chain(model, sms, configs)
+            continue
         for programs, warps in ((sms, 8), (2 * sms, 8), (2 * sms, 4), (3 * sms, 4)):
             # the phase's whole work spread over the grid: one or two tiles a program
             block_g = max(1, min(32, triton.next_power_of_2(triton.cdiv(inter, programs))))
