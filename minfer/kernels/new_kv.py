@@ -63,6 +63,49 @@ def rope_factors(cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HALF: tl.constexpr
 
 
 @triton.jit
+def load_heads(x_ptr, stride_h, offs_h, h_mask, offs_d, d_mask, HEAD_DIM: tl.constexpr):
+    """Rows `x_ptr + h * stride_h` (h in offs_h) of one token, in float32, as themselves and
+    with their halves swapped ([BLOCK_H, BLOCK_D] each): what `rotate_heads` finishes. Apart, so
+    a kernel can issue these loads before others that wait on an earlier load (rope_store)."""
+    mask = h_mask[:, None] & d_mask[None, :]
+    rows = x_ptr + offs_h[:, None] * stride_h
+    swapped = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+    x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xs = tl.load(rows + swapped[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x, xs
+
+
+@triton.jit
+def rotate_heads(
+    x,
+    xs,
+    offs_d,
+    d_mask,
+    weight_ptr,
+    eps,
+    cos,
+    signed_sin,
+    dtype: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    """`load_heads`' rows RMS-normalised per head when HAS_NORM, then rotated: [BLOCK_H,
+    BLOCK_D] in `dtype`, not stored.
+
+    The swapped copy makes the rotation one elementwise expression over the whole row: out =
+    x cos + swap(x) signed_sin (the minus of rotate-half is exact, so this rounds as the layer's
+    x1 cos - x2 sin does)."""
+    if HAS_NORM:
+        swapped = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps))[:, None]
+        w = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        ws = tl.load(weight_ptr + swapped, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+        xs = ((xs * rstd).to(dtype).to(tl.float32) * ws).to(dtype).to(tl.float32)
+    return ((x * cos).to(dtype).to(tl.float32) + (xs * signed_sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def finish_heads(
     x_ptr,
     stride_h,
@@ -78,24 +121,12 @@ def finish_heads(
     HAS_NORM: tl.constexpr,
 ):
     """Rows `x_ptr + h * stride_h` (h in offs_h) of one token, RMS-normalised per head when
-    HAS_NORM, then rotated: [BLOCK_H, BLOCK_D] in x's dtype, not stored.
-
-    Each row is read twice, as itself and with its halves swapped, so the rotation is one
-    elementwise expression over the whole row: out = x cos + swap(x) signed_sin (the minus of
-    rotate-half is exact, so this rounds as the layer's x1 cos - x2 sin does)."""
-    dtype = x_ptr.dtype.element_ty
-    mask = h_mask[:, None] & d_mask[None, :]
-    rows = x_ptr + offs_h[:, None] * stride_h
-    swapped = (offs_d + HEAD_DIM // 2) % HEAD_DIM
-    x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xs = tl.load(rows + swapped[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        rstd = (1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps))[:, None]
-        w = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        ws = tl.load(weight_ptr + swapped, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-        xs = ((xs * rstd).to(dtype).to(tl.float32) * ws).to(dtype).to(tl.float32)
-    return ((x * cos).to(dtype).to(tl.float32) + (xs * signed_sin).to(dtype).to(tl.float32)).to(dtype)
+    HAS_NORM, then rotated: [BLOCK_H, BLOCK_D] in x's dtype, not stored (`load_heads`, then
+    `rotate_heads`)."""
+    x, xs = load_heads(x_ptr, stride_h, offs_h, h_mask, offs_d, d_mask, HEAD_DIM)
+    return rotate_heads(
+        x, xs, offs_d, d_mask, weight_ptr, eps, cos, signed_sin, x_ptr.dtype.element_ty, HEAD_DIM, HAS_NORM
+    )
 
 
 @triton.jit
