@@ -1,6 +1,7 @@
-"""Time to first token of long prompts on the CPU, through the offline LLM (one thread).
+"""Time to first token of long prompts on the CPU, through the offline LLM (one thread by default).
 
     OMP_NUM_THREADS=1 taskset -c 1 python3 scripts/cpu_ttft.py [--quantization gguf] [--tokens 2000 4000]
+    python3 scripts/cpu_ttft.py --threads 2     # the engine's threads (unpinned)
 
 Prompts of random token ids (no prefix in common, so nothing comes from the prefix cache),
 max_tokens 1, after a short warm-up. Run it from another tree with PYTHONPATH=that tree to
@@ -24,13 +25,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--tokens", type=int, nargs="+", default=[2000, 4000])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    llm = LLM(cpu_threads=1, **({"quantization": args.quantization} if args.quantization else {}))
+    torch.set_num_threads(args.threads)
+    llm = LLM(cpu_threads=args.threads, **({"quantization": args.quantization} if args.quantization else {}))
     rng = random.Random(0)
     greedy_one = SamplingParams(max_tokens=1, temperature=0)
     llm.generate([[rng.randint(100, 20000) for _ in range(64)]], greedy_one)
-    print(f"minfer from {minfer.__file__}, quantization {args.quantization}")
+    print(f"minfer from {minfer.__file__}, quantization {args.quantization}, {args.threads} threads")
     for n in args.tokens:
         prompt = [rng.randint(100, 20000) for _ in range(n)]
         start = time.perf_counter()
