@@ -5,11 +5,12 @@ over speed: gather K/V through the page table, then softmax(q k^T) v in float32 
 causal mask shifted by the cached prefix. (Plain matmuls rather than torch's SDPA: on CPU,
 SDPA costs ~5 ms per call at decode shapes on a loaded machine.)
 
-Prefill goes one request at a time in transformers' eager form, with its bits; on a CPU
-thread alone, in blocks of query rows whose scores stay in cache (4x faster at 2,048 tokens).
-Decode, which on CPU runs every step for the whole batch, goes in one set of batched matmuls
-over the batch's page-table rows padded to the longest sequence (padding keys masked out), so
-its cost does not grow with Python work per request: the per-request loop cost ~0.1 ms per request per layer, 0.2 s per step at 64
+Prefill goes one request at a time in transformers' eager form, with its bits, its scores
+scaled, masked and softmaxed in place; on a CPU thread alone, in blocks of query rows whose
+scores stay in cache (2.5x faster at 2,048 tokens). Decode, which on CPU runs every step for
+the whole batch, goes in one set of batched matmuls over the batch's page-table rows padded to
+the longest sequence (padding keys masked out), so its cost does not grow with Python work per
+request: the per-request loop cost ~0.1 ms per request per layer, 0.2 s per step at 64
 requests on the default model's 30 layers. Grouped-query heads share their K/V through the
 matmul's shape rather than a repeat_interleave copy (at batch 1 and 450 cached tokens that
 copy was ~60 MB per step on the default model, more than its 4-bit weights). On the CPU the
