@@ -122,7 +122,13 @@ class EngineConfig:
         None,
         "token budget of one prefill step (8192; 2048 for --quantization on CPU); longer prompts span steps",
     )
-    attention_backend: str = _opt("auto", "auto = triton on CUDA, torch on CPU", ("auto", "torch", "triton"))
+    attention_backend: str = _opt(
+        "auto",
+        "auto = triton on CUDA, torch on CPU (sdpa with --quantization); torch = transformers' eager "
+        "attention bit for bit; sdpa = torch's scaled_dot_product_attention for prompts, its sdpa "
+        "attention bit for bit, faster on long CPU prompts",
+        ("auto", "torch", "sdpa", "triton"),
+    )
     cache: str = _opt(
         "radix", "prefix cache: radix shares prompt prefixes, naive shares nothing", ("radix", "naive")
     )

@@ -70,7 +70,7 @@ def prefill() -> None:
             times[backend.name] = layer_ms(lambda: backend.forward(q, 0, ctx, scale))
         times["baddbmm"] = layer_ms(lambda: baddbmm_prefill(q, k, v, scale, prefix))
         print(
-            f"prefill of {extend} after {prefix}: plain {times['torch']:.2f} ms, SDPA {times['torch-fast']:.2f} ms, "
+            f"prefill of {extend} after {prefix}: plain {times['torch']:.2f} ms, SDPA {times['sdpa']:.2f} ms, "
             f"baddbmm {times['baddbmm']:.2f} ms (per layer)"
         )
 

@@ -26,13 +26,21 @@ def main() -> None:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--tokens", type=int, nargs="+", default=[2000, 4000])
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
+    ap.add_argument("--attention-backend", default="auto")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(cpu_threads=args.threads, **({"quantization": args.quantization} if args.quantization else {}))
+    llm = LLM(
+        cpu_threads=args.threads,
+        attention_backend=args.attention_backend,
+        **({"quantization": args.quantization} if args.quantization else {}),
+    )
     rng = random.Random(0)
     greedy_one = SamplingParams(max_tokens=1, temperature=0)
     llm.generate([[rng.randint(100, 20000) for _ in range(64)]], greedy_one)
-    print(f"minfer from {minfer.__file__}, quantization {args.quantization}, {args.threads} threads")
+    print(
+        f"minfer from {minfer.__file__}, quantization {args.quantization}, {args.threads} threads, "
+        f"attention {llm.engine.backend.name}"
+    )
     for n in args.tokens:
         prompt = [rng.randint(100, 20000) for _ in range(n)]
         start = time.perf_counter()

@@ -28,7 +28,9 @@ LAYERS = [
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 # Modules allowed past MAX_LINES, each with the reason.
-LONG_MODULES: dict[str, str] = {}
+LONG_MODULES: dict[str, str] = {
+    "config.py": "every option minfer has, one flat list by design: a flag's help text sits beside it",
+}
 # "About 300 lines" of the dense style the code was written in; `ruff format` (one argument per
 # line where a call does not fit) made the same tree 15% longer (11,506 -> 13,258 lines).
 MAX_LINES = 350

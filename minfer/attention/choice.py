@@ -6,17 +6,25 @@ import torch
 
 
 def make_attention_backend(name: str, device: torch.device, low_bit: bool = False):
+    """The backend `--attention-backend` names. "torch": plain matmuls, transformers' eager
+    attention bit for bit (the float32 default's reference). "sdpa": the same backend with its
+    prefill through torch's scaled_dot_product_attention, transformers' sdpa attention bit for
+    bit and several times faster on long prompts (torch_fast.py). "auto": triton on CUDA; on the
+    CPU "torch", or "sdpa" for a --quantization model (`low_bit`), whose numerics differ from
+    transformers' by far more than the two attentions' rounding."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else ("sdpa" if low_bit else "torch")
     if name == "triton":
         from minfer.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    from minfer.attention.torch_backend import TorchAttentionBackend
-    from minfer.attention.torch_fast import FastTorchAttentionBackend
+    if name == "sdpa":
+        from minfer.attention.torch_fast import FastTorchAttentionBackend
 
-    # A --quantization model (low_bit) takes the faster prefill; the default float32 one stays bit-identical.
-    return FastTorchAttentionBackend() if low_bit else TorchAttentionBackend()
+        return FastTorchAttentionBackend()
+    from minfer.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
 
 
 def wants_head_major_pool(backend, device: torch.device) -> bool:

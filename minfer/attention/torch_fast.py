@@ -1,18 +1,21 @@
-"""The torch backend's faster CPU prefill, for `--quantization` models only.
+"""The torch backend with its prefill through SDPA: `--attention-backend sdpa`, and what
+`--quantization` models get by default.
 
 The default float32 model keeps `TorchAttentionBackend`'s plain per-request prefill (repeated
 K/V heads, one matmul pair per request) so that its prompt log-likelihoods stay bit-identical
-to transformers' eager attention (this path's equal its sdpa attention bit for bit, 3e-5 nats
-at most from eager: scripts/default_model_prefill_parity.py); a quantized model (whose numerics already differ by far more than float rounding) gets this
-subclass, picked by the engine from the flag that `quantize_model` sets. Prefill here is torch's
-SDPA per request: grouped query heads share their KV head (enable_gqa, no repeat_interleave
-copy), and a request's causal mask, aligned at its last key (query j of a request whose prefix
-holds p tokens sees keys [0, p + j]), is `causal_lower_right`, which the CPU flash kernel applies
-by skipping the masked blocks instead of reading a mask; a sliding window that binds passes its
-visible keys as a boolean mask. One thread, the default model's heads, ms per layer against the
-per-KV-head baddbmm/softmax/bmm it replaced (scripts/cpu_attention_bench.py --prefill): 2,048
-fresh tokens 76 vs 363; 1,024 after a 1,024-token prefix 70 vs 110; 256 fresh 2.1 vs 2.5
-(docs/BENCHMARKS.md, CPU prefill attention).
+to transformers' eager attention; this path's equal transformers' sdpa attention (its default)
+bit for bit, at most ~3e-5 nats from eager (scripts/default_model_prefill_parity.py), which a
+user may prefer for long prompts. A quantized model, whose numerics already differ by far more
+than float rounding, gets this subclass unless told otherwise (attention/choice.py).
+
+Prefill here is torch's SDPA per request: grouped query heads share their KV head (enable_gqa,
+no repeat_interleave copy), and a request's causal mask, aligned at its last key (query j of a
+request whose prefix holds p tokens sees keys [0, p + j]), is `causal_lower_right`, which the
+CPU flash kernel applies by skipping the masked blocks instead of reading a mask; a sliding
+window that binds passes its visible keys as a boolean mask. One thread, the default model's
+heads, ms per layer against the per-KV-head baddbmm/softmax/bmm it replaced
+(scripts/cpu_attention_bench.py --prefill): 2,048 fresh tokens 76 vs 363; 1,024 after a
+1,024-token prefix 70 vs 110; 256 fresh 2.1 vs 2.5 (docs/BENCHMARKS.md, CPU prefill attention).
 
 Decode is the plain backend's for both: over a head-major pool it measured as fast as SDPA
 (docs/BENCHMARKS.md, CPU decode attention at long contexts).
@@ -29,7 +32,7 @@ from minfer.attention.torch_backend import TorchAttentionBackend
 
 
 class FastTorchAttentionBackend(TorchAttentionBackend):
-    name = "torch-fast"
+    name = "sdpa"
 
     def __init__(self):
         super().__init__()
