@@ -23,23 +23,17 @@ shapes against the engine's kernels (a barrier of one program), which checks its
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import sys
-import types
 
 import torch
 import triton
 import triton.language as tl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
-if importlib.util.find_spec("msgspec") is None:  # as scripts/gpu_check.py: kernels need torch only
-    package = types.ModuleType("minfer")
-    package.__path__ = [os.path.join(ROOT, "minfer")]
-    sys.modules["minfer"] = package
+# gpu_gemv (this directory) makes `minfer.kernels` importable without the server's dependencies
+# and times CUDA graphs: graph_us(fn, calls) is us per fn(i) call, replayed.
+from gpu_gemv import graph_us
 
-from minfer.kernels import common, gemv  # noqa: E402
+from minfer.kernels import common, gemv
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # A program that has polled this often without seeing every arrival gives up and raises the
@@ -231,24 +225,9 @@ def check_interpreted() -> None:
         print(f"H={hidden} I={inter}: max |diff| {diff:.2e}, counters zero after the launch")
 
 
-def graph_us(run, replays: int = 50) -> float:
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / replays)
-    return best
+def graph_replay_us(run) -> float:
+    """us per replay of a graph of run()."""
+    return graph_us(lambda i: run(), 1, replays=50)
 
 
 def barrier_cost(sms: int) -> None:
@@ -260,7 +239,7 @@ def barrier_cost(sms: int) -> None:
             times = {}
             for barriers in (1, 32):
                 counter = counters(torch.device("cuda"), barriers)
-                times[barriers] = graph_us(
+                times[barriers] = graph_replay_us(
                     lambda: _barriers_kernel[(programs,)](
                         counter, BARRIERS=barriers, VOLATILE_POLL=volatile, num_warps=4
                     )
@@ -311,7 +290,8 @@ def mlp_chain(model: str, sms: int, configs: list[tuple]) -> None:
         flush=True,
     )
     print(
-        f"  engine (gate_up_gemv + gemv, chained): {graph_us(ref_run) / layers:6.2f} us a layer", flush=True
+        f"  engine (gate_up_gemv + gemv, chained): {graph_replay_us(ref_run) / layers:6.2f} us a layer",
+        flush=True,
     )
     for config in configs:
         programs, block_g, block_d, warps, volatile = config
@@ -343,14 +323,14 @@ def mlp_chain(model: str, sms: int, configs: list[tuple]) -> None:
             counter.zero_()
             continue
         diff = (out - ref).abs().max().item() / ref.abs().max().item()
-        us = graph_us(run) / layers
+        us = graph_replay_us(run) / layers
         print(
             f"  persistent P={programs:3d} BLOCK_G={block_g:2d} BLOCK_D={block_d:2d} warps={warps} "
             f"poll={'volatile' if volatile else 'atomic  '}: {us:6.2f} us a layer (max rel diff {diff:.1e}; "
             f"{compiled.n_regs} registers, {compiled.n_spills} spills)",
             flush=True,
         )
-    print(f"  engine again: {graph_us(ref_run) / layers:6.2f} us a layer", flush=True)
+    print(f"  engine again: {graph_replay_us(ref_run) / layers:6.2f} us a layer", flush=True)
 
 
 def main() -> None:

@@ -9,9 +9,9 @@ def make_attention_backend(name: str, device: torch.device, low_bit: bool = Fals
     """The backend `--attention-backend` names. "torch": plain matmuls, transformers' eager
     attention bit for bit (the float32 default's reference). "sdpa": the same backend with its
     prefill through torch's scaled_dot_product_attention, transformers' sdpa attention bit for
-    bit, its attention 2-2.5x faster on long CPU prompts (torch_fast.py). "auto": triton on CUDA; on the
-    CPU "torch", or "sdpa" for a --quantization model (`low_bit`), whose numerics differ from
-    transformers' by far more than the two attentions' rounding."""
+    bit, its attention 2-2.5x faster on long CPU prompts (torch_fast.py). "auto": triton on
+    CUDA; on the CPU "torch", or "sdpa" for a --quantization model (`low_bit`), whose numerics
+    differ from transformers' by far more than the two attentions' rounding."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else ("sdpa" if low_bit else "torch")
     if name == "triton":
