@@ -27,7 +27,7 @@ import torch
 import triton
 
 from minfer.kernels.attention_merge import merge_splits
-from minfer.kernels.common import CACHE_LINE, chained_rows, num_sms, pdl_args, ptx_widens_e4m3
+from minfer.kernels.common import CACHE_LINE, attention_chained, attention_pdl_args, num_sms, ptx_widens_e4m3
 from minfer.kernels.decode_split_kernel import decode_split_kernel
 from minfer.kernels.new_kv import NewKV, decode_prologue_args
 
@@ -164,12 +164,12 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         WINDOW=window or 0,
-        PREFETCH=chained_rows(batch),
+        PREFETCH=attention_chained(batch),
         LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_pool.element_size(), CACHE_LINE)),
         LINE_ELEMENTS=CACHE_LINE // k_pool.element_size(),
         V_PTX_WIDEN=widen,
         **launch,
-        **pdl_args(q.device, batch),
+        **attention_pdl_args(q.device, batch),
     )
     if num_splits > 1:
         merge_splits(out, part_out, part_lse)

@@ -93,6 +93,25 @@ def _pdl_args(device: torch.device, few_rows: bool) -> types.MappingProxyType:
     )
 
 
+# MINFER_CHAIN_ATTENTION: "bands" (the default) chains decode attention and rope_store where
+# CHAIN_BANDS says, like every other kernel; "all" chains those two at every batch size, so the
+# attention launch reads its lengths, page-table rows and first key slots while rope_store runs,
+# and rope_store its positions and cos/sin rows while the qkv product runs (an A/B setting).
+_CHAIN_ATTENTION = os.environ.get("MINFER_CHAIN_ATTENTION", "bands")
+if _CHAIN_ATTENTION not in ("bands", "all"):
+    raise ValueError(f"MINFER_CHAIN_ATTENTION={_CHAIN_ATTENTION!r}: expected bands or all")
+
+
+def attention_chained(rows: int) -> bool:
+    """Whether decode attention and rope_store over `rows` rows are chained launches."""
+    return _CHAIN_ATTENTION == "all" or chained_rows(rows)
+
+
+def attention_pdl_args(device: torch.device, rows: int) -> types.MappingProxyType:
+    """pdl_args for decode attention and rope_store (see MINFER_CHAIN_ATTENTION)."""
+    return _pdl_args(device, attention_chained(rows))
+
+
 def reset_pdl_choice() -> None:
     """Read MINFER_PDL again (A/B scripts and tests that change it within one process)."""
     pdl_enabled.cache_clear()

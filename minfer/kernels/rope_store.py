@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minfer.kernels.common import attention_pdl_args, pdl_start
 from minfer.kernels.new_kv import NewKV, load_heads, rope_factors, rotate_heads, store_kv
 
 
@@ -62,17 +63,25 @@ def _rope_store_kernel(
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL_RELEASE: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
 ):
     # Every load of the qkv row is issued first, before the loads that wait on one (cos and sin
     # on the position) and before any store: q, k and v are views of one qkv row, so the compiler
     # may not move a load of k above a store of q, and a warp issues in order. A launch over a
     # decode batch is a single wave, so its chain of dependent round trips to memory is its
     # duration (H100: 3.7-4.1 us at 48-256 tokens when q was stored before k was read).
+    # Launched early (PDL_WAIT), the position and its cos/sin row (staged by the host, and a
+    # table no kernel writes) are read before the wait, while the qkv product still runs.
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     slot = tl.load(out_loc_ptr + token).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    dtype = q_ptr.dtype.element_ty
+    if PDL_WAIT:
+        cos, signed_sin = rope_factors(cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HEAD_DIM // 2, dtype)
+    pdl_start(PDL_RELEASE, PDL_WAIT)  # attention may start its own early reads meanwhile
     offs_qh = tl.arange(0, BLOCK_QH)
     qh_mask = offs_qh < NUM_Q_HEADS
     q_rows = q_ptr + token * stride_qt
@@ -82,8 +91,8 @@ def _rope_store_kernel(
     mask = h_mask[:, None] & d_mask[None, :]
     k, ks = load_heads(k_ptr + token * stride_kt, stride_kh, offs_h, h_mask, offs_d, d_mask, HEAD_DIM)
     v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    dtype = q_ptr.dtype.element_ty
-    cos, signed_sin = rope_factors(cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HEAD_DIM // 2, dtype)
+    if not PDL_WAIT:
+        cos, signed_sin = rope_factors(cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HEAD_DIM // 2, dtype)
     q = rotate_heads(q, qs, offs_d, d_mask, q_weight_ptr, eps, cos, signed_sin, dtype, HEAD_DIM, HAS_NORM)
     k = rotate_heads(k, ks, offs_d, d_mask, k_weight_ptr, eps, cos, signed_sin, dtype, HEAD_DIM, HAS_NORM)
     k_scale = 1.0
@@ -188,6 +197,7 @@ def rope_store(
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
+        **attention_pdl_args(q.device, num_tokens),
     )
     return q
 
