@@ -106,10 +106,48 @@ def _gemm_kernel(
         w = tl.load(w_tile + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc += dot(x, w)
 
-    out_mask = m_mask[:, None] & n_mask[None, :]
+    store_tile(
+        acc,
+        out_ptr,
+        bias_ptr,
+        partial_ptr,
+        counter_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        stride_om,
+        split,
+        num_splits,
+        SPLIT,
+        HAS_BIAS,
+    )
+
+
+@triton.jit
+def store_tile(
+    acc,
+    out_ptr,
+    bias_ptr,
+    partial_ptr,
+    counter_ptr,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    stride_om,
+    split,
+    num_splits,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Write a program's fp32 tile `acc` of out [M, N] (grid: N tiles, M tiles, K splits). Split
+    launches write their partial and count arrivals; the last program to arrive sums the tile's
+    partials in split order, adds the bias and stores (see the module docstring)."""
+    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    n_mask = offs_n < N
     if SPLIT:
-        num_m = tl.num_programs(1)
-        tile = pid_n * num_m + pid_m
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         # partials: [num_splits, M, N] fp32
         part = partial_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         tl.store(part + split.to(tl.int64) * M * N, acc, mask=out_mask)
@@ -117,7 +155,7 @@ def _gemm_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc = tl.zeros_like(acc)
             for _ in range(num_splits):  # fixed order: the sum is the same whoever arrives last
                 acc += tl.load(part, mask=out_mask, other=0.0, cache_modifier=".cg")
                 part += M * N
