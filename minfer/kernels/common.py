@@ -93,23 +93,30 @@ def _pdl_args(device: torch.device, few_rows: bool) -> types.MappingProxyType:
     )
 
 
-# MINFER_CHAIN_ATTENTION: "bands" (the default) chains decode attention and rope_store where
-# CHAIN_BANDS says, like every other kernel; "all" chains those two at every batch size, so the
-# attention launch reads its lengths, page-table rows and first key slots while rope_store runs,
-# and rope_store its positions and cos/sin rows while the qkv product runs (an A/B setting).
+# MINFER_CHAIN_ATTENTION: "bands" (the default) chains decode attention where CHAIN_BANDS says,
+# like every other kernel, and launches rope_store without PDL; "all" chains both at every batch
+# size, so the attention launch reads its lengths, page-table rows and first key slots while
+# rope_store runs, and rope_store its positions and cos/sin rows while the qkv product runs (an
+# A/B setting, docs/PERFORMANCE.md section 41).
 _CHAIN_ATTENTION = os.environ.get("MINFER_CHAIN_ATTENTION", "bands")
 if _CHAIN_ATTENTION not in ("bands", "all"):
     raise ValueError(f"MINFER_CHAIN_ATTENTION={_CHAIN_ATTENTION!r}: expected bands or all")
+_NO_PDL = types.MappingProxyType({"PDL_RELEASE": False, "PDL_WAIT": False})
 
 
 def attention_chained(rows: int) -> bool:
-    """Whether decode attention and rope_store over `rows` rows are chained launches."""
+    """Whether decode attention over `rows` requests is a chained launch."""
     return _CHAIN_ATTENTION == "all" or chained_rows(rows)
 
 
 def attention_pdl_args(device: torch.device, rows: int) -> types.MappingProxyType:
-    """pdl_args for decode attention and rope_store (see MINFER_CHAIN_ATTENTION)."""
+    """pdl_args for decode attention (see MINFER_CHAIN_ATTENTION)."""
     return _pdl_args(device, attention_chained(rows))
+
+
+def rope_store_pdl_args(device: torch.device) -> types.MappingProxyType:
+    """rope_store's PDL arguments: chained under MINFER_CHAIN_ATTENTION=all, none otherwise."""
+    return _pdl_args(device, True) if _CHAIN_ATTENTION == "all" else _NO_PDL
 
 
 def reset_pdl_choice() -> None:

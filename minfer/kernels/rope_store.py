@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import attention_pdl_args, pdl_start
+from minfer.kernels.common import pdl_start, rope_store_pdl_args
 from minfer.kernels.new_kv import NewKV, load_heads, rope_factors, rotate_heads, store_kv
 
 
@@ -197,7 +197,7 @@ def rope_store(
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
-        **attention_pdl_args(q.device, num_tokens),
+        **rope_store_pdl_args(q.device),
     )
     return q
 
