@@ -35,7 +35,7 @@ if importlib.util.find_spec("msgspec") is None:  # as scripts/gpu_check.py: kern
     package.__path__ = [os.path.join(ROOT, "minfer")]
     sys.modules["minfer"] = package
 
-from minfer.kernels import common, gemm, gemv  # noqa: E402
+from minfer.kernels import common, gemm, gemv, pdl  # noqa: E402
 from minfer.kernels.activation import silu_and_mul  # noqa: E402
 from minfer.kernels.norm import rmsnorm  # noqa: E402
 
@@ -58,7 +58,7 @@ SHAPES = {  # (N, K) of y = x @ w.T
 def set_pdl(mode: str) -> None:
     """MINFER_PDL's mode (minfer.kernels.common): "0", "release", "1" (chains <= 2 rows), "chain"."""
     os.environ["MINFER_PDL"] = mode
-    common.reset_pdl_choice()
+    pdl.reset_pdl_choice()
 
 
 def graph_us(fn, calls: int, replays: int = 20) -> float:

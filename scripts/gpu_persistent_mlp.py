@@ -33,7 +33,7 @@ import triton.language as tl
 # and times CUDA graphs: graph_us(fn, calls) is us per fn(i) call, replayed.
 from gpu_gemv import graph_us
 
-from minfer.kernels import common, gemv
+from minfer.kernels import common, gemv, pdl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # A program that has polled this often without seeing every arrival gives up and raises the
@@ -172,7 +172,7 @@ def persistent_mlp(x, res, norm_w, eps, gate_up, down, counter, config):
     mid = torch.empty(inter, dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     summed = torch.empty_like(x)
-    pdl = common.pdl_enabled(x.device)
+    chained = pdl.pdl_enabled(x.device)
     persistent_mlp.compiled = _persistent_mlp_kernel[(programs,)](
         x,
         res,
@@ -191,9 +191,9 @@ def persistent_mlp(x, res, norm_w, eps, gate_up, down, counter, config):
         BLOCK_G=block_g,
         BLOCK_D=block_d,
         VOLATILE_POLL=volatile,
-        PDL=pdl,
+        PDL=chained,
         num_warps=warps,
-        **({"launch_pdl": True} if pdl else {}),
+        **({"launch_pdl": True} if chained else {}),
     )
     return out, summed
 

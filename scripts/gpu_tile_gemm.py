@@ -33,11 +33,12 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_gemv import graph_us, set_pdl  # noqa: E402  (also makes minfer's kernels importable)
 
-from minfer.kernels import common, gemm  # noqa: E402
+from minfer.kernels import common, gemm, pdl  # noqa: E402
 from minfer.kernels.activation import silu_and_mul  # noqa: E402
-from minfer.kernels.common import CACHE_LINE, arrival_counters, pdl_start, prefetch_l2  # noqa: E402
+from minfer.kernels.common import CACHE_LINE, arrival_counters, prefetch_l2  # noqa: E402
 from minfer.kernels.gemm import store_tile  # noqa: E402
 from minfer.kernels.norm import rmsnorm  # noqa: E402
+from minfer.kernels.pdl import pdl_start  # noqa: E402
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -161,7 +162,7 @@ def tma_linear(
         LINE_ELEMENTS=CACHE_LINE // weight.element_size(),
         num_warps=warps,
         num_stages=stages,
-        **common.pdl_args(x.device, m),
+        **pdl.pdl_args(x.device, m),
     )
     return out
 

@@ -27,9 +27,10 @@ import torch
 import triton
 
 from minfer.kernels.attention_merge import merge_splits
-from minfer.kernels.common import CACHE_LINE, attention_chained, attention_pdl_args, num_sms, ptx_widens_e4m3
+from minfer.kernels.common import CACHE_LINE, num_sms, ptx_widens_e4m3
 from minfer.kernels.decode_split_kernel import decode_split_kernel
 from minfer.kernels.new_kv import NewKV, decode_prologue_args
+from minfer.kernels.pdl import attention_chained, attention_pdl_args
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64

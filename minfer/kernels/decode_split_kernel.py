@@ -9,8 +9,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import attend_blocks, fp8_pool_operand, pdl_start, prefetch_l2
+from minfer.kernels.common import attend_blocks, fp8_pool_operand, prefetch_l2
 from minfer.kernels.new_kv import finish_decode_token, rope_factors
+from minfer.kernels.pdl import pdl_start
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""The token embedding's row gather for a chained decode step (one or two rows; common.pdl_args).
+"""The token embedding's row gather for a chained decode step (one or two rows; pdl.pdl_args).
 
 torch's embedding kernel takes no part in programmatic dependent launch, so the first layer's
 qkv gemv, launched early to read its weights before it waits (kernels/gemv.py), could start only
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import pdl_args, pdl_start
+from minfer.kernels.pdl import pdl_args, pdl_start
 
 
 @triton.jit

@@ -17,7 +17,7 @@ output and resets the counter to zero for the next launch. The counters live in 
 buffer per device; GEMMs on one stream run one after another, so they never share a counter
 while it is non-zero.
 
-Launched early in a chain of kernels (common.pdl_args, for the rows MINFER_CHAIN_BANDS names),
+Launched early in a chain of kernels (pdl.pdl_args, for the rows MINFER_CHAIN_BANDS names),
 each program asks L2 for its weight slice before it waits for the kernel before it.
 
 Rows of x may be strided (views of a larger activation); the last dim must be contiguous.
@@ -29,16 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import (
-    CACHE_LINE,
-    arrival_counters,
-    dot,
-    matmul_operands,
-    num_sms,
-    pdl_args,
-    pdl_start,
-    prefetch_l2,
-)
+from minfer.kernels.common import CACHE_LINE, arrival_counters, dot, matmul_operands, num_sms, prefetch_l2
+from minfer.kernels.pdl import pdl_args, pdl_start
 
 # Where this kernel was measured to match or beat cuBLAS on an H200 (scripts/gpu_check.py
 # --gemm): up to 64 rows, weights up to Qwen3-0.6B's largest (gate_up, 6144 x 1024), and

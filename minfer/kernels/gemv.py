@@ -8,7 +8,7 @@ loop, no split, so no reduction), and only then waits for x.
 
 The wait is programmatic dependent launch (Hopper and later): the kernel is launched with
 `launch_pdl`, so it may start while the kernel before it (an RMSNorm, the SiLU-and-multiply, the
-attention kernels, which release their dependents in `common.pdl_start`) is still running. Its weight
+attention kernels, which release their dependents in `pdl.pdl_start`) is still running. Its weight
 loads then overlap that kernel; `gdc_wait` blocks until the previous kernel has finished and its
 writes are visible, and nothing that kernel writes (x) is read, and nothing is written, before
 it. Weights and bias are constant for the engine's life, which is what makes the early read safe.
@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import matmul_operands, num_sms, pdl_enabled, pdl_start
+from minfer.kernels.common import matmul_operands, num_sms
+from minfer.kernels.pdl import pdl_enabled, pdl_start
 
 # Where it beats the split-K GEMM and cuBLAS on an H200 (scripts/gpu_gemv.py --sweep, CUDA-graph
 # timed, weights from DRAM): one row at every Qwen3-0.6B and Llama-3.1-8B shape (o_proj 5.05 ->

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import pdl_args, pdl_start
+from minfer.kernels.pdl import pdl_args, pdl_start
 
 
 @triton.jit

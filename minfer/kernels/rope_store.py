@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minfer.kernels.common import pdl_start, rope_store_pdl_args
 from minfer.kernels.new_kv import NewKV, load_heads, rope_factors, rotate_heads, store_kv
+from minfer.kernels.pdl import pdl_start, rope_store_pdl_args
 
 
 @triton.jit

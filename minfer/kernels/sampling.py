@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from minfer.core import NO_TOKEN as _NO_TOKEN
-from minfer.kernels.common import INTERPRET, num_sms, pdl_args, pdl_start
+from minfer.kernels.common import INTERPRET, num_sms
+from minfer.kernels.pdl import pdl_args, pdl_start
 
 # The noise is -log(-log(u)); libdevice's logf (a range reduction and a polynomial of ~20
 # instructions) twice per logit bounded the kernel at large batches. The outer logarithm is MUFU
@@ -84,7 +85,7 @@ def _neg_log_uniform(bits, FAST: tl.constexpr, SERIES: tl.constexpr):
 # one after another. (The first rule, under two programs per SM, also took batches of 4-6; the
 # offline bench's 4-7 band was then 0.05-0.08 ms slower in one call of two, unexplained, so
 # those batches keep the large chunks: docs/BENCHMARKS.md, twentieth session.)
-# Both passes take programmatic dependent launch where the rows are chained (common.pdl_args):
+# Both passes take programmatic dependent launch where the rows are chained (pdl.pdl_args):
 # at one or two rows pass 1 then starts while the LM head's gemv finishes, and pass 2 while pass
 # 1 does, instead of after each (docs/BENCHMARKS.md, thirty-eighth session).
 CHUNK = 4096
@@ -121,7 +122,7 @@ def _gumbel_argmax_chunk_kernel(
     noise is that entry's."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    # The row's parameters are staged by the host (common.pdl_start: readable before the wait);
+    # The row's parameters are staged by the host (pdl.pdl_start: readable before the wait);
     # the logits are the LM head's, after it.
     temperature = tl.load(temperature_ptr + row)
     seed = tl.load(seeds_ptr + row).to(tl.int64)

@@ -10,8 +10,8 @@ from torch import nn
 
 from minfer.distributed.parallel import SINGLE, TPGroup
 from minfer.kernels import gemv
-from minfer.kernels.common import chained_rows, pdl_enabled
 from minfer.kernels.embedding import embedding_rows
+from minfer.kernels.pdl import chained_rows, pdl_enabled
 from minfer.layers.linear import on_triton
 from minfer.layers.quantized_head import LowBitHead
 

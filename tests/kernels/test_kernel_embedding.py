@@ -26,10 +26,10 @@ def test_embedding_rows_is_torch_embedding(dtype, shape, device):
 @pytest.mark.gpu
 def test_the_layer_gathers_chained_rows_with_the_kernel(monkeypatch):
     """On a GPU with programmatic dependent launch, one or two ids take the kernel; more take torch."""
-    from minfer.kernels import common
+    from minfer.kernels import pdl
     from minfer.layers import embedding
 
-    if not common.pdl_enabled(torch.device("cuda")):
+    if not pdl.pdl_enabled(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     layer = embedding.VocabParallelEmbedding(50, 64).cuda()
     layer.weight.data.normal_()

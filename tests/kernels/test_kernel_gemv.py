@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import gemm_tolerance
 
-from minfer.kernels import common, gemv
+from minfer.kernels import common, gemv, pdl
 
 # (M, N, K, config): K not a power of two (masked tail of the slice), N not a multiple of the
 # block, one output row per program, and the default configuration.
@@ -141,12 +141,12 @@ def test_pdl_is_off_where_it_cannot_run(monkeypatch):
     """The interpreter and CPU tensors never get the launch attribute or the wait/release
     instructions, whatever MINFER_PDL says (they exist only on compiled Hopper+ kernels)."""
     monkeypatch.setenv("MINFER_PDL", "chain")
-    common.reset_pdl_choice()
+    pdl.reset_pdl_choice()
     try:
         for rows in (1, 256):
-            assert common.pdl_args(torch.device("cpu"), rows) == {"PDL_RELEASE": False, "PDL_WAIT": False}
+            assert pdl.pdl_args(torch.device("cpu"), rows) == {"PDL_RELEASE": False, "PDL_WAIT": False}
     finally:
-        common.reset_pdl_choice()
+        pdl.reset_pdl_choice()
 
 
 @pytest.mark.skipif(
@@ -164,36 +164,36 @@ def test_pdl_modes_chain_the_launches_they_name(monkeypatch, mode, chained_rows)
     releases every launch ("late" the same, releasing after the wait: a compile-time constant,
     EARLY_RELEASE); "chain" chains all of them, "release" none, "0" turns PDL off."""
     monkeypatch.setenv("MINFER_PDL", mode)
-    common.reset_pdl_choice()
+    pdl.reset_pdl_choice()
     try:
         for rows in (1, 2, 3, 256):
-            args = common.pdl_args(torch.device("cuda"), rows)
+            args = pdl.pdl_args(torch.device("cuda"), rows)
             assert args["PDL_WAIT"] == (rows in chained_rows) == args.get("launch_pdl", False)
             assert args["PDL_RELEASE"] == (mode != "0")
     finally:
-        common.reset_pdl_choice()
+        pdl.reset_pdl_choice()
 
 
 def test_chain_bands_name_the_rows_they_chain(monkeypatch):
-    assert common.parse_chain_bands("1-2") == ((1, 2),)
-    monkeypatch.setattr(common, "CHAIN_BANDS", common.parse_chain_bands(common.DEFAULT_CHAIN_BANDS))
-    chained = [rows for rows in (1, 2, 3, 16, 32, 33, 48, 64, 65, 256) if common.chained_rows(rows)]
+    assert pdl.parse_chain_bands("1-2") == ((1, 2),)
+    monkeypatch.setattr(pdl, "CHAIN_BANDS", pdl.parse_chain_bands(pdl.DEFAULT_CHAIN_BANDS))
+    chained = [rows for rows in (1, 2, 3, 16, 32, 33, 48, 64, 65, 256) if pdl.chained_rows(rows)]
     assert chained == [1, 2, 33, 48, 64]  # not the 32-row graph, which batches of 17-31 replay
-    monkeypatch.setattr(common, "CHAIN_BANDS", common.parse_chain_bands("1-2, 32-64"))
-    assert [rows for rows in (1, 2, 3, 31, 32, 64, 65) if common.chained_rows(rows)] == [1, 2, 32, 64]
+    monkeypatch.setattr(pdl, "CHAIN_BANDS", pdl.parse_chain_bands("1-2, 32-64"))
+    assert [rows for rows in (1, 2, 3, 31, 32, 64, 65) if pdl.chained_rows(rows)] == [1, 2, 32, 64]
     for bad in ("", "2", "3-1", "0-2", "1-x", "1-2;4-5"):
         with pytest.raises(ValueError, match="MINFER_CHAIN_BANDS"):
-            common.parse_chain_bands(bad)
+            pdl.parse_chain_bands(bad)
 
 
 def test_an_unknown_pdl_mode_is_refused(monkeypatch):
     monkeypatch.setenv("MINFER_PDL", "yes")
-    common.reset_pdl_choice()
+    pdl.reset_pdl_choice()
     try:
         with pytest.raises(ValueError, match="MINFER_PDL='yes'"):
-            common.pdl_args(torch.device("cpu"), 1)
+            pdl.pdl_args(torch.device("cpu"), 1)
     finally:
-        common.reset_pdl_choice()
+        pdl.reset_pdl_choice()
 
 
 # (M, N, K, config) for the prologues: a masked tail of K, one output row per program.
