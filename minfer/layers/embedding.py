@@ -12,7 +12,7 @@ from minfer.distributed.parallel import SINGLE, TPGroup
 from minfer.kernels import gemv
 from minfer.kernels.embedding import embedding_rows
 from minfer.kernels.pdl import chained_rows, pdl_enabled
-from minfer.layers.linear import on_triton
+from minfer.layers.linear import on_triton, torch_linear
 from minfer.layers.quantized_head import LowBitHead
 
 
@@ -54,7 +54,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         sampler cut them off). Written into `out` when given."""
         if self.low_bit is not None:
             return self.low_bit.logits(hidden, out)
-        logits = F.linear(hidden, self.weight)
+        logits = torch_linear(hidden, self.weight)
         return logits.float() if out is None else out.copy_(logits)
 
     def gather_logits(self, shard: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             if by_gemv:
                 return gemv.gemv(hidden, self.weight, out=out)
             return torch.mm(hidden, self.weight.t(), out_dtype=torch.float32, out=out)
-        logits = F.linear(hidden, self.weight)
+        logits = torch_linear(hidden, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)
         logits = logits[..., : self.vocab_size]

@@ -54,7 +54,52 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return gemv.gemv(x, weight, bias)
         if gemm.suits(rows, weight):
             return gemm.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return torch_linear(x, weight, bias)
+
+
+# On the CPU a decode step's products are matrix-vector products of one to a few rows, and
+# torch's float32 GEMM runs those on one thread, however many torch has, at about half of one
+# core's read bandwidth (SmolLM2-135M's weights, 2-core AMD EPYC: 12 GB/s, where a plain sum reads
+# 22). Cutting the weight's output rows into groups and handing them to one batched product lets
+# torch's threads take the groups: the default model's linear layers and LM head at one row,
+# two threads, 46 -> 20 ms a step (docs/BENCHMARKS.md, forty-second session). Each output is the
+# same dot product as F.linear's (bit for bit with MKL at 1-4 rows on that machine). Not from 5
+# rows (MKL then splits F.linear's work itself, and the gain shrinks) nor on one thread (no gain).
+# MINFER_CPU_ROW_GROUPS=off keeps F.linear, for A/B runs.
+CPU_GROUPED_MAX_ROWS = 4
+_CPU_ROW_GROUPS = os.environ.get("MINFER_CPU_ROW_GROUPS", "on")
+if _CPU_ROW_GROUPS not in ("on", "off"):
+    raise ValueError(f"MINFER_CPU_ROW_GROUPS={_CPU_ROW_GROUPS!r}: expected on or off")
+
+
+def cpu_row_groups(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """How many groups of output rows `torch_linear` splits x @ weight.T into (0: not split):
+    twice torch's threads, halved until they divide the output features, for 1-4 rows of a
+    float32 product on the CPU with two or more threads."""
+    if _CPU_ROW_GROUPS == "off" or x.device.type != "cpu" or x.dtype != torch.float32:
+        return 0
+    if weight.dtype != x.dtype or weight.dim() != 2 or not weight.is_contiguous():
+        return 0
+    threads = torch.get_num_threads()
+    if threads < 2 or not 0 < x.numel() // x.shape[-1] <= CPU_GROUPED_MAX_ROWS:
+        return 0
+    groups = 2 * threads
+    while groups > 1 and weight.shape[0] % groups:
+        groups //= 2
+    return groups if groups > 1 else 0
+
+
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with a CPU decode step's few rows spread over torch's threads (cpu_row_groups)."""
+    groups = cpu_row_groups(x, weight)
+    if not groups:
+        return F.linear(x, weight, bias)
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    xs = rows.unsqueeze(0).expand(groups, rows.shape[0], k)
+    ws = weight.view(groups, n // groups, k).transpose(1, 2)  # [groups, K, N / groups]
+    y = torch.bmm(xs, ws) if bias is None else torch.baddbmm(bias.view(groups, 1, n // groups), xs, ws)
+    return y.transpose(0, 1).reshape(*x.shape[:-1], n)  # [groups, M, N / groups] -> [..., N]
 
 
 def _folds_prologue(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> bool:
