@@ -61,12 +61,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # torch's float32 GEMM runs those on one thread, however many torch has, at about half of one
 # core's read bandwidth (SmolLM2-135M's weights, 2-core AMD EPYC: 12 GB/s, where a plain sum reads
 # 22). Cutting the weight's output rows into groups and handing them to one batched product lets
-# torch's threads take the groups: the default model's linear layers and LM head at one row,
-# two threads, 46 -> 20 ms a step (docs/BENCHMARKS.md, forty-second session). Each output is the
-# same dot product as F.linear's (bit for bit with MKL at 1-4 rows on that machine). Not from 5
-# rows (MKL then splits F.linear's work itself, and the gain shrinks) nor on one thread (no gain).
+# torch's threads take the groups: the default model's decode step with two threads, 63-67 -> 40-47
+# ms at one request, 100 -> 72 at 4, 127 -> 97 at 16 (docs/BENCHMARKS.md, forty-second session).
+# Each output is a dot product of the same row and weights as F.linear's: bit for bit with MKL at
+# 1-4, 8 and 12-16 rows on that machine; at 5-7 and 9-11 rows MKL sums F.linear's in another
+# order. Up to 16 rows (the CPU's default --max-running-requests), not on one thread (no gain).
 # MINFER_CPU_ROW_GROUPS=off keeps F.linear, for A/B runs.
-CPU_GROUPED_MAX_ROWS = 4
+CPU_GROUPED_MAX_ROWS = 16
 _CPU_ROW_GROUPS = os.environ.get("MINFER_CPU_ROW_GROUPS", "on")
 if _CPU_ROW_GROUPS not in ("on", "off"):
     raise ValueError(f"MINFER_CPU_ROW_GROUPS={_CPU_ROW_GROUPS!r}: expected on or off")
@@ -74,7 +75,7 @@ if _CPU_ROW_GROUPS not in ("on", "off"):
 
 def cpu_row_groups(x: torch.Tensor, weight: torch.Tensor) -> int:
     """How many groups of output rows `torch_linear` splits x @ weight.T into (0: not split):
-    twice torch's threads, halved until they divide the output features, for 1-4 rows of a
+    twice torch's threads, halved until they divide the output features, for 1-16 rows of a
     float32 product on the CPU with two or more threads."""
     if _CPU_ROW_GROUPS == "off" or x.device.type != "cpu" or x.dtype != torch.float32:
         return 0

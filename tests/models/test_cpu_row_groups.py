@@ -35,9 +35,9 @@ def test_grouped_rows_equal_f_linear(threads, n, k, has_bias, rows):
     assert cpu_row_groups(x, weight) == 4
     out = torch_linear(x, weight, bias)
     assert out.shape == (1, rows, n)
-    # the same dot products; MKL gave them bit for bit on the development machine, another
-    # BLAS may round a sum in another order
-    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-6, atol=1e-6)
+    # the same dot products; MKL summed them bit for bit alike at most row counts on the
+    # development machine, in another order at some (5-7, 9-11 rows: float32 rounding, ~1e-6)
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
 def test_strided_rows(threads):
