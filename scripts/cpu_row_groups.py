@@ -23,15 +23,6 @@ LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135
 HEAD_SHAPE = (49152, 576)
 
 
-def grouped(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
-    """torch_linear's product with a given number of groups."""
-    n, k = weight.shape
-    y = torch.bmm(
-        x.unsqueeze(0).expand(groups, *x.shape), weight.view(groups, n // groups, k).transpose(1, 2)
-    )
-    return y.transpose(0, 1).reshape(x.shape[0], n)
-
-
 def best_ms(fn, passes: int = 7) -> float:
     best = float("inf")
     for _ in range(passes):
@@ -60,7 +51,7 @@ def main() -> None:
             f"torch_linear {best_ms(lambda: [linear.torch_linear(inputs[w.shape[1]], w) for w in weights]):6.2f}"
         )
         for groups in (4, 8):
-            run = lambda g=groups: [grouped(inputs[w.shape[1]], w, g) for w in weights]  # noqa: E731
+            run = lambda g=groups: [linear.grouped_linear(inputs[w.shape[1]], w, None, g) for w in weights]  # noqa: E731
             cells.append(f"{groups} groups {best_ms(run):6.2f}")
         print(f"rows {m}: " + " | ".join(cells) + f" ms for {nbytes / 1e6:.0f} MB", flush=True)
     torch.manual_seed(0)
@@ -72,7 +63,7 @@ def main() -> None:
             ref = F.linear(x, weight)
             for groups in (2, 4, 8, 16):
                 total += 1
-                if not torch.equal(grouped(x, weight, groups), ref):
+                if not torch.equal(linear.grouped_linear(x, weight, None, groups), ref):
                     differ += 1
                     rows_differing.add(m)
     print(

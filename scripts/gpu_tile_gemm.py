@@ -35,8 +35,7 @@ from gpu_gemv import graph_us, set_pdl  # noqa: E402  (also makes minfer's kerne
 
 from minfer.kernels import common, gemm, pdl  # noqa: E402
 from minfer.kernels.activation import silu_and_mul  # noqa: E402
-from minfer.kernels.common import CACHE_LINE, arrival_counters, prefetch_l2  # noqa: E402
-from minfer.kernels.gemm import store_tile  # noqa: E402
+from minfer.kernels.gemm import prefetch_weight_slice, store_tile  # noqa: E402
 from minfer.kernels.norm import rmsnorm  # noqa: E402
 from minfer.kernels.pdl import pdl_start  # noqa: E402
 
@@ -89,9 +88,7 @@ def _tma_gemm_kernel(
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if PDL_WAIT:  # launched early: ask L2 for this program's weight slice while the kernel before runs
-        offs_line = k_start + tl.arange(0, SLICE_LINES) * LINE_ELEMENTS
-        lines = n_mask[:, None] & (offs_line < k_end)[None, :]
-        prefetch_l2(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_line[None, :], lines)
+        prefetch_weight_slice(w_ptr, stride_wn, offs_n, n_mask, k_start, k_end, SLICE_LINES, LINE_ELEMENTS)
     pdl_start(PDL_RELEASE, PDL_WAIT)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in tl.range(k_start, k_end, BLOCK_K):
@@ -128,9 +125,7 @@ def tma_linear(
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    k_per_split, split_k, partials, counters, prefetch = gemm.split_workspace(out, weight, block_k, split_k)
     # descriptors are cached per (tensor, block): a graph replays the parameters it captured
     key = (x.data_ptr(), x.shape, x.stride(), weight.data_ptr(), block_m, block_n, block_k)
     if key not in _DESCRIPTORS:
@@ -146,7 +141,7 @@ def tma_linear(
         weight,
         out,
         partials,
-        arrival_counters(x.device, "gemm", 4096),
+        counters,
         m,
         n,
         k,
@@ -158,8 +153,7 @@ def tma_linear(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        SLICE_LINES=triton.next_power_of_2(triton.cdiv(k_per_split * weight.element_size(), CACHE_LINE)),
-        LINE_ELEMENTS=CACHE_LINE // weight.element_size(),
+        **prefetch,
         num_warps=warps,
         num_stages=stages,
         **pdl.pdl_args(x.device, m),

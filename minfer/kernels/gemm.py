@@ -85,9 +85,8 @@ def _gemm_kernel(
 
     k_start = split * k_per_split
     if PDL_WAIT:  # launched early: ask L2 for this program's weight slice while the kernel before runs
-        offs_line = k_start + tl.arange(0, SLICE_LINES) * LINE_ELEMENTS
-        lines = n_mask[:, None] & (offs_line < tl.minimum(k_start + k_per_split, K))[None, :]
-        prefetch_l2(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_line[None, :], lines)
+        k_end = tl.minimum(k_start + k_per_split, K)
+        prefetch_weight_slice(w_ptr, stride_wn, offs_n, n_mask, k_start, k_end, SLICE_LINES, LINE_ELEMENTS)
     pdl_start(PDL_RELEASE, PDL_WAIT)  # x and the partials are the previous kernels' from here
     x_tile = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     w_tile = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None]  # [K, N]
@@ -114,6 +113,17 @@ def _gemm_kernel(
         SPLIT,
         HAS_BIAS,
     )
+
+
+@triton.jit
+def prefetch_weight_slice(
+    w_ptr, stride_wn, offs_n, n_mask, k_start, k_end, SLICE_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr
+):
+    """Ask L2 for weight rows `offs_n`, columns [k_start, k_end): one address per cache line
+    (`split_workspace`'s SLICE_LINES and LINE_ELEMENTS)."""
+    offs_line = k_start + tl.arange(0, SLICE_LINES) * LINE_ELEMENTS
+    lines = n_mask[:, None] & (offs_line < k_end)[None, :]
+    prefetch_l2(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_line[None, :], lines)
 
 
 @triton.jit
@@ -189,6 +199,25 @@ def choose_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, 
     return block_m, block_n, block_k, split_k, 4, 4
 
 
+def split_workspace(
+    out: torch.Tensor, weight: torch.Tensor, block_k: int, split_k: int
+) -> tuple[int, int, torch.Tensor, torch.Tensor, dict]:
+    """For a launch into out [M, N] with `split_k` K splits of whole `block_k` blocks: the K per
+    split, the splits left after rounding, the fp32 partials [splits, M, N] (out itself when
+    unsplit), the arrival counters, and the weight-slice prefetch's constants."""
+    k = weight.shape[1]
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # rounding K up to whole blocks may leave fewer splits
+    m, n = out.shape
+    partials = torch.empty((split_k, m, n), dtype=torch.float32, device=out.device) if split_k > 1 else out
+    line_elements = CACHE_LINE // weight.element_size()
+    prefetch = {
+        "SLICE_LINES": triton.next_power_of_2(triton.cdiv(k_per_split, line_elements)),
+        "LINE_ELEMENTS": line_elements,
+    }
+    return k_per_split, split_k, partials, arrival_counters(out.device, "gemm", _MAX_TILES), prefetch
+
+
 def suits(rows: int, weight: torch.Tensor) -> bool:
     """Whether `linear` should take this GEMM rather than cuBLAS (see MAX_ROWS)."""
     return rows <= MAX_ROWS and weight.numel() <= MAX_WEIGHT_ELEMENTS
@@ -207,9 +236,7 @@ def linear(
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     block_m, block_n, block_k, split_k, warps, stages = config or choose_config(m, n, k, num_sms(x.device))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)  # rounding K up to whole blocks may leave fewer splits
-    partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    k_per_split, split_k, partials, counters, prefetch = split_workspace(out, weight, block_k, split_k)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
     _gemm_kernel[grid](
         x2,
@@ -217,7 +244,7 @@ def linear(
         bias if bias is not None else out,
         out,
         partials,
-        arrival_counters(x.device, "gemm", _MAX_TILES),
+        counters,
         m,
         n,
         k,
@@ -231,8 +258,7 @@ def linear(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        SLICE_LINES=triton.next_power_of_2(triton.cdiv(k_per_split * weight.element_size(), CACHE_LINE)),
-        LINE_ELEMENTS=CACHE_LINE // weight.element_size(),
+        **prefetch,
         num_warps=warps,
         num_stages=stages,
         **pdl_args(x.device, m),

@@ -93,8 +93,14 @@ def cpu_row_groups(x: torch.Tensor, weight: torch.Tensor) -> int:
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with a CPU decode step's few rows spread over torch's threads (cpu_row_groups)."""
     groups = cpu_row_groups(x, weight)
-    if not groups:
-        return F.linear(x, weight, bias)
+    return grouped_linear(x, weight, bias, groups) if groups else F.linear(x, weight, bias)
+
+
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, groups: int
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) as `groups` groups of the weight's output rows in one batched product
+    (a contiguous weight whose output features `groups` divides)."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     xs = rows.unsqueeze(0).expand(groups, rows.shape[0], k)
