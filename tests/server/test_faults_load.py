@@ -21,6 +21,11 @@ import pytest
 from server_harness import Server
 
 MAX_RUNNING, MAX_QUEUED, MAX_UNREAD = 2, 4, 512
+# The longest gap allowed between a stream's chunks while other clients misbehave: a stall (a
+# stream waiting for a huge prompt's parsing or prefill, or for a blocked api server) is longer.
+# The gaps are ~0.01-0.12 s here, also beside another test worker; CI's shared 2-core machine
+# once held a /health probe 1.35 s, so a single gap is allowed up to 2 s.
+MAX_STREAM_GAP_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +90,7 @@ def test_huge_prompts_are_refused_fast_and_do_not_stall_streams(server):
         r = server.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4})
         answers.append((r, time.monotonic() - start, why))
     victim.join(60)
-    assert out["finish"] == "length" and out["max_gap"] < 1.0, out
+    assert out["finish"] == "length" and out["max_gap"] < MAX_STREAM_GAP_S, out
     for r, seconds, why in answers:
         # 20 MB may meet the api's body size limit (413) before the prompt checks (400).
         assert r.status_code in ((400, 413) if why is None else (400,)), r.text
@@ -168,7 +173,7 @@ def test_slow_reader_is_aborted_and_does_not_stall_others(server):
     )
     out: dict = {}
     stream_gaps(server, out, 200)  # another client meanwhile
-    assert out["finish"] == "length" and out["max_gap"] < 1.0, out
+    assert out["finish"] == "length" and out["max_gap"] < MAX_STREAM_GAP_S, out
     deadline = time.monotonic() + 30
     while "replies unread" not in server.output():
         assert time.monotonic() < deadline, "the slow reader was never aborted"
