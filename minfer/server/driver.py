@@ -86,6 +86,22 @@ def usage(choices: dict[int, Choice], n: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def without_drawn_tokens(reply: m.Reply) -> m.Reply:
+    """The reply of a prompt-only request (echo, max_tokens 0) as if nothing had been drawn:
+    no text, tokens or logprobs of its own; it ends at its length (0), unless it was aborted."""
+    finish = reply.finish_reason if reply.finish_reason in (None, "abort") else "length"
+    stop_reason = reply.stop_reason if finish == "abort" else None
+    return msgspec.structs.replace(
+        reply,
+        text="",
+        token_ids=[],
+        completion_tokens=0,
+        logprobs=None,
+        finish_reason=finish,
+        stop_reason=stop_reason,
+    )
+
+
 @dataclass
 class Job:
     """The engine requests behind one HTTP request: each prompt n times."""
@@ -97,6 +113,7 @@ class Job:
     n: int = 1
     chat: bool = False
     echo: bool = False
+    prompt_only: bool = False  # echo with max_tokens 0: each reply's drawn token left out
     timeout: float | None = None
     prompt_param: str = "prompt"  # the body field that holds the prompts, for errors
     tools: list[dict] | None = None  # chat: tools for the chat template
@@ -260,6 +277,8 @@ class Driver:
         async for event in group.events():
             if isinstance(event, m.RequestFailed):
                 raise APIError(event.status, event.message, event.param, event.code)
+            if self.job.prompt_only:
+                event = without_drawn_tokens(event)
             index = group.choice[event.uid]
             choices[index].add(event, self.deadline.reason)
             yield index, event

@@ -100,7 +100,16 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     body.check_supported()
     params, auto = body.sampling_params()
     rid = f"cmpl-{uuid.uuid4().hex}"
-    job = Job(rid, body.prompts(), params, auto, n=body.n, echo=body.echo, timeout=body.timeout)
+    job = Job(
+        rid,
+        body.prompts(),
+        params,
+        auto,
+        n=body.n,
+        echo=body.echo,
+        prompt_only=body.prompt_only,
+        timeout=body.timeout,
+    )
     return await Driver(state, request, job).respond(
         CompletionShape(body, rid, state.model_name), body.stream
     )

@@ -175,8 +175,14 @@ class CompletionRequest(OpenAISamplingFields):
     logprobs: Int | None = None
     suffix: str | None = None
 
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0 (OpenAI's and vLLM's): the prompt alone, with its logprobs --
+        how evaluation tools score a text. The engine draws one token, which the answer leaves out."""
+        return self.echo and self.max_tokens == 0
+
     def max_new_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.prompt_only else self.max_tokens
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         # the prompt's alternatives serve both echo's logprobs and prompt_logprobs: the larger count
@@ -186,6 +192,12 @@ class CompletionRequest(OpenAISamplingFields):
     def check_supported(self) -> None:
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(
+                400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens"
+            )
+        if self.prompt_only and self.min_tokens:
+            raise APIError(400, f"min_tokens={self.min_tokens} is more than max_tokens=0", "min_tokens")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import openai
 import pytest
 import torch
 from openai.types import Completion
@@ -88,6 +89,46 @@ def test_completion_echo_logprobs_equal_transformers(server, reference):
     plain = plain.model_dump()["choices"][0]
     assert plain["logprobs"]["token_logprobs"] == lp["token_logprobs"][len(ids) :]
     assert plain["text"] == choice["text"][len(PROMPT) :]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, reference):
+    """OpenAI's and vLLM's way to score a text (evaluation tools' loglikelihood): echo with
+    max_tokens 0 answers the prompt and its logprobs, nothing generated, through the openai client."""
+    ids = prompt_ids(server, PROMPT)
+    ref = reference(ids)
+    expected = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    for prompt in (PROMPT, ids):  # text and token ids
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+        choice = out.choices[0]
+        assert choice.text == PROMPT and choice.finish_reason == "length"
+        assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 0
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+        assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), expected, atol=2e-4)
+        assert all(len(top) in (2, 3) for top in lp.top_logprobs[1:])  # 2 + the prompt's token
+    events = parse_sse(
+        server.post(
+            "/v1/completions",
+            {
+                "prompt": PROMPT,
+                "max_tokens": 0,
+                "echo": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ).text
+    )
+    assert "".join(c["text"] for e in events for c in e["choices"]) == PROMPT
+    assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 0
+    # max_tokens 0 without echo would answer nothing: refused, as min_tokens above it is
+    for body, param in (
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
+    ):
+        r = server.post("/v1/completions", {"prompt": PROMPT, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def check_prompt_logprobs(entries: list, ids: list[int], ref: torch.Tensor, k: int) -> None:
