@@ -65,23 +65,27 @@ async def metrics(state: ServerState = Depends(server_state)):
     return Response(client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def model_card(state: ServerState) -> dict:
+    """OpenAI's Model object of the served model, with vLLM's `root` and `max_model_len`."""
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "minfer",
+        "root": state.scheduler_info["model"],
+        "max_model_len": state.max_model_len,
+    }
+
+
 @router.get("/v1/models")
 async def models(state: ServerState = Depends(server_state)):
-    return json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "minfer",
-                    "root": state.scheduler_info["model"],
-                    "max_model_len": state.max_model_len,
-                }
-            ],
-        }
-    )
+    return json_response({"object": "list", "data": [model_card(state)]})
+
+
+@router.get("/v1/models/{model:path}")  # a name may hold slashes: Qwen/Qwen3-0.6B
+async def model(model: str, state: ServerState = Depends(server_state)):
+    state.check_model(model)  # another name: 404 model_not_found
+    return json_response(model_card(state))
 
 
 @router.get("/version", response_model=Version)

@@ -80,6 +80,10 @@ def test_models_health_info(server, client):
     raw = httpx.get(server.url + "/v1/models").json()
     assert [Model.model_validate(m).id for m in raw["data"]] == ["tiny"]
     assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("org/other")
+    assert missing.value.body["code"] == "model_not_found" and "'org/other'" in missing.value.body["message"]
     info = server.info()
     assert info["max_model_len"] == 4096
     assert info["memory"]["kv_pool_tokens"] == 16384
