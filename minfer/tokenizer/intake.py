@@ -57,6 +57,16 @@ def check_template_kwargs(template_kwargs: dict | None) -> None:
         )
 
 
+def developer_as_system(template, messages: list[dict]) -> list[dict]:
+    """`messages` with OpenAI's `developer` role (its newer name for the system message) written
+    as `system` where the chat template does not name that role: Qwen3's template silently drops
+    a message of a role it does not know, Llama 3's writes a header its model never saw, and
+    stricter templates raise. A template that names `developer` gets the messages as they are."""
+    if "developer" in str(template) or not any(m.get("role") == "developer" for m in messages):
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+
+
 def render_chat_text(
     tokenizer,
     messages: list[dict],
@@ -80,7 +90,7 @@ def render_chat_text(
         )
     try:
         return tokenizer.apply_chat_template(
-            messages,
+            developer_as_system(tokenizer.chat_template, messages),
             tools=tools or None,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
