@@ -9,9 +9,16 @@ file descriptors but the ones they are given), so it closes when this process do
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
+
+from minfer.ipc.sockets import INBOX_NAMES
+
+# A unix socket's path must fit sockaddr_un's sun_path with its terminating NUL: 108 bytes on
+# Linux, 104 on macOS. A long TMPDIR (a batch system's per-job directory, pytest's) passes it.
+MAX_SOCKET_PATH_BYTES = 103
 
 # `read` returns at end of file; signals to the process group (Ctrl-C) are ignored so the shell
 # outlives the server it cleans up after.
@@ -23,6 +30,9 @@ class IpcDir:
 
     def __init__(self):
         self.path = tempfile.mkdtemp(prefix="minfer-ipc-")
+        if not sockets_fit(self.path):  # in /tmp instead, where they do
+            os.rmdir(self.path)
+            self.path = tempfile.mkdtemp(prefix="minfer-ipc-", dir="/tmp")
         self._janitor = subprocess.Popen(
             ["sh", "-c", _JANITOR, "minfer-ipc-janitor", self.path],
             stdin=subprocess.PIPE,
@@ -34,3 +44,9 @@ class IpcDir:
         shutil.rmtree(self.path, ignore_errors=True)
         self._janitor.stdin.close()  # the janitor finds nothing left to remove and exits
         self._janitor.wait()
+
+
+def sockets_fit(directory: str) -> bool:
+    """Whether every inbox's socket path in `directory` fits a unix socket address."""
+    longest = max(INBOX_NAMES, key=len)
+    return len(os.fsencode(os.path.join(directory, longest))) <= MAX_SOCKET_PATH_BYTES

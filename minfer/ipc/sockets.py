@@ -13,6 +13,8 @@ import zmq
 
 from minfer.ipc.messages import Message, decode, encode
 
+INBOX_NAMES = ("api", "tokenizer", "scheduler", "detokenizer")  # one socket file each
+
 
 @dataclass(frozen=True)
 class Endpoints:
@@ -25,12 +27,7 @@ class Endpoints:
 
     @classmethod
     def in_dir(cls, directory: str) -> Endpoints:
-        return cls(
-            *(
-                f"ipc://{os.path.join(directory, name)}"
-                for name in ("api", "tokenizer", "scheduler", "detokenizer")
-            )
-        )
+        return cls(*(f"ipc://{os.path.join(directory, name)}" for name in INBOX_NAMES))
 
 
 def inbox(ctx: zmq.Context, address: str) -> zmq.Socket:

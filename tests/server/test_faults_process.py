@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,13 +21,22 @@ from server_harness import Server, child_pids
 from test_lifecycle import wait_gone
 
 
-def start(model: str, tmp_path, *args: str) -> Server:
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+@pytest.fixture(autouse=True)
+def server_tmpdir(tmp_path):
+    """The server's TMPDIR, seen as tmp_path / "tmp": a directory in /tmp, since pytest's own
+    paths can be too long for a unix socket's (the server would make its socket directory in
+    /tmp then, out of these tests' sight: test_a_long_tmpdir_keeps_the_sockets_short)."""
+    short = tempfile.mkdtemp(prefix="minfer-test-", dir="/tmp")
+    (tmp_path / "tmp").symlink_to(short)
+    yield short
+    shutil.rmtree(short, ignore_errors=True)
+
+
+def start(model: str, tmp_path, *args: str, tmpdir: str | None = None) -> Server:
     return Server(
         [model, "--served-model-name", "tiny", "--kv-cache-tokens", "16384", *args],
         tmp_path / "server.log",
-        env={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)},
+        env={"OMP_NUM_THREADS": "1", "TMPDIR": tmpdir or str((tmp_path / "tmp").resolve())},
     )
 
 
@@ -130,3 +142,29 @@ def test_kill_9_of_the_server_leaves_nothing(tiny_chat_model, tmp_path):
     while ipc_dirs(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert ipc_dirs(tmp_path) == []  # the janitor removed the sockets
+
+
+def test_a_long_tmpdir_keeps_the_sockets_short(tiny_chat_model, tmp_path):
+    """A TMPDIR so long that a socket path in it would pass the 107 bytes a unix socket address
+    holds (a batch system's per-job directory): the server makes its socket directory in /tmp
+    instead, serves, and removes it when it ends."""
+    from minfer.ipc.ipc_dir import MAX_SOCKET_PATH_BYTES
+
+    long_tmp = tmp_path / ("d" * 60) / ("e" * 60)
+    long_tmp.mkdir(parents=True)
+    assert len(str(long_tmp)) > MAX_SOCKET_PATH_BYTES
+    server = start(tiny_chat_model, tmp_path, tmpdir=str(long_tmp))
+    r = server.post("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    # the directory, as the server's janitor process (ipc/ipc_dir.py) names it
+    commands = [Path(f"/proc/{pid}/cmdline").read_text().split("\0") for pid in child_pids(server.proc.pid)]
+    (ipc,) = [args[args.index("minfer-ipc-janitor") + 1] for args in commands if "minfer-ipc-janitor" in args]
+    assert os.path.dirname(ipc) == "/tmp" and sorted(os.listdir(ipc)) == [
+        "api",
+        "detokenizer",
+        "scheduler",
+        "tokenizer",
+    ]
+    assert not list(long_tmp.iterdir())
+    assert server.stop() == 0
+    assert not os.path.exists(ipc)  # removed on the way out
