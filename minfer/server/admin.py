@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
@@ -13,14 +13,36 @@ from pydantic import BaseModel
 
 from minfer import __version__
 from minfer.ipc import messages as m
+from minfer.server.body import Body, Int
 from minfer.server.driver import json_response
 from minfer.server.errors import ERROR_RESPONSES, APIError, ErrorResponse, error_response
-from minfer.server.protocol import AbortRequestBody, DetokenizeRequestBody, TokenizeRequestBody
+from minfer.server.protocol import ChatMessage
 from minfer.server.state import ServerState, server_state
 
 METRICS_SCRAPE_TIMEOUT_S = 2.0
 
 router = APIRouter(responses=ERROR_RESPONSES)
+
+
+class TokenizeRequestBody(Body):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as on /v1/chat/completions
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequestBody(Body):
+    model: str | None = None
+    tokens: list[Int]
+
+
+class AbortRequestBody(Body):
+    rid: str
 
 
 class Health(BaseModel):

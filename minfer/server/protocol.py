@@ -333,24 +333,3 @@ class ChatCompletionRequest(OpenAISamplingFields):
 
     def template_messages(self) -> list[dict]:
         return [msg.as_template_input() for msg in self.messages]
-
-
-class TokenizeRequestBody(Body):
-    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as on /v1/chat/completions
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-
-class DetokenizeRequestBody(Body):
-    model: str | None = None
-    tokens: list[Int]
-
-
-class AbortRequestBody(Body):
-    rid: str
