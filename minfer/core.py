@@ -47,6 +47,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     # ranks[i]: how many tokens were at least as likely as token_ids[i] (1: the most likely one;
     # None where logprobs[i] is)
     ranks: list[int | None] = msgspec.field(default_factory=list)
+    # token id -> its bytes, for the tokens (chosen or top) whose text alone is not their bytes:
+    # part of a character of several bytes (tokenizer/token_bytes.py). Filled with the strings.
+    raw_bytes: dict[int, list[int]] = msgspec.field(default_factory=dict)
 
     def extend(self, other: TokenLogprobs) -> None:
         self.token_ids += other.token_ids
@@ -56,6 +59,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
         self.tokens += other.tokens
         self.top_tokens += other.top_tokens
         self.ranks += other.ranks
+        self.raw_bytes.update(other.raw_bytes)
 
 
 class StructuredOutput(msgspec.Struct, array_like=True):

@@ -31,16 +31,22 @@ def completion_logprobs(parts: list[TokenLogprobs], k: int, offset: int = 0) -> 
 
 
 def chat_logprobs(lp: TokenLogprobs) -> dict:
-    """OpenAI's chat `logprobs` object: token, logprob, UTF-8 bytes and the top alternatives."""
+    """OpenAI's chat `logprobs` object: token, logprob, bytes and the top alternatives. `bytes`
+    are the token's own (joined, the tokens' bytes are the text), also where its text alone is
+    U+FFFD, part of a character of several bytes."""
 
-    def entry(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    def entry(token_id: int, token: str, logprob: float) -> dict:
+        raw = lp.raw_bytes.get(token_id)
+        return {"token": token, "logprob": logprob, "bytes": raw if raw is not None else list(token.encode())}
 
     return {
         "content": [
-            {**entry(token, logprob), "top_logprobs": [entry(t, v) for t, v in zip(top_tokens, top_values)]}
-            for token, logprob, top_tokens, top_values in zip(
-                lp.tokens, lp.logprobs, lp.top_tokens, lp.top_logprobs
+            {
+                **entry(token_id, token, logprob),
+                "top_logprobs": [entry(*top) for top in zip(top_ids, top_tokens, top_values)],
+            }
+            for token_id, token, logprob, top_ids, top_tokens, top_values in zip(
+                lp.token_ids, lp.tokens, lp.logprobs, lp.top_ids, lp.top_tokens, lp.top_logprobs
             )
         ]
     }

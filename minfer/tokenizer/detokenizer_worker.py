@@ -27,6 +27,7 @@ from minfer.observability.events import DETOKENIZED
 from minfer.observability.trace import NULL_TRACER, RequestTracer
 from minfer.tokenizer.detokenizer import IncrementalDetokenizer
 from minfer.tokenizer.intake import load_model_tokenizer
+from minfer.tokenizer.token_bytes import is_byte_level, token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class DetokenizerWorker:
         self.requests: dict[int, _Detok] = {}
         self.replies: list[m.Reply] = []  # collected while handling one batch of messages
         self._token_strings: dict[int, str] = {}  # token id -> its text alone, for logprobs
+        self._raw_bytes: dict[int, list[int]] = {}  # ... and its bytes, where the text is not them
+        self._byte_level = is_byte_level(tokenizer)
 
     def handle(self, msg: m.Message) -> None:
         """Handle one message; an unexpected error fails the requests it concerns, not the worker."""
@@ -145,19 +148,24 @@ class DetokenizerWorker:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
     def with_token_strings(self, lp: TokenLogprobs) -> TokenLogprobs:
-        """Fill the text of each token (each decoded alone, as OpenAI's and vLLM's logprobs show it)."""
-        text = self._token_strings
-        for t in lp.token_ids:
-            if t not in text:
-                text[t] = self.token_text([t])
-        lp.tokens = [text[t] for t in lp.token_ids]
-        lp.top_tokens = []
-        for ids in lp.top_ids:
-            for t in ids:
-                if t not in text:
-                    text[t] = self.token_text([t])
-            lp.top_tokens.append([text[t] for t in ids])
+        """Fill the text of each token (each decoded alone, as OpenAI's and vLLM's logprobs show
+        it), and the bytes of those whose text is not their bytes (part of a character)."""
+        lp.tokens = [self._token_string(t) for t in lp.token_ids]
+        lp.top_tokens = [[self._token_string(t) for t in ids] for ids in lp.top_ids]
+        for t in (*lp.token_ids, *(t for ids in lp.top_ids for t in ids)):
+            if t in self._raw_bytes:
+                lp.raw_bytes[t] = self._raw_bytes[t]
         return lp
+
+    def _token_string(self, token_id: int) -> str:
+        text = self._token_strings.get(token_id)
+        if text is None:
+            text = self._token_strings[token_id] = self.token_text([token_id])
+            if "\ufffd" in text and self.tokenizer is not None:
+                raw = token_bytes(self.tokenizer, token_id, self._byte_level)
+                if raw is not None and raw != list(text.encode()):
+                    self._raw_bytes[token_id] = raw
+        return text
 
 
 @exit_without_teardown

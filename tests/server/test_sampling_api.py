@@ -237,6 +237,33 @@ def test_chat_logprobs(server):
     assert none["choices"][0]["logprobs"] is None
 
 
+def test_chat_logprobs_bytes_join_into_a_split_character(server):
+    """A character of several UTF-8 bytes split over tokens (each part's text alone is U+FFFD):
+    each token's `bytes` are its own, so the bytes joined are the answer's text, as OpenAI
+    documents them. The grammar makes the tiny model write emoji."""
+    body = {
+        "messages": [{"role": "user", "content": "Smile"}],
+        "max_tokens": 12,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "guided_regex": "(😀|🙂)(😀|🙂)+",
+        **GREEDY,
+    }
+    resp = server.post("/v1/chat/completions", body).json()
+    ChatCompletion.model_validate(resp)
+    content = resp["choices"][0]["logprobs"]["content"]
+    text = resp["choices"][0]["message"]["content"]
+    assert text and set(text) <= {"😀", "🙂"}, text
+    assert any(entry["token"] == "\ufffd" for entry in content)  # the premise: split characters
+    if resp["choices"][0]["finish_reason"] == "stop":  # the grammar's end: the end-of-turn token
+        content = content[:-1]
+    assert bytes(b for entry in content for b in entry["bytes"]).decode() == text
+    for entry in content:
+        for alternative in (entry, *entry["top_logprobs"]):
+            if "\ufffd" not in alternative["token"]:
+                assert bytes(alternative["bytes"]).decode() == alternative["token"]
+
+
 def test_generate_logprobs(server, reference):
     ids = prompt_ids(server, PROMPT)
     body = {
