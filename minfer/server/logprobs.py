@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import codecs
+
 from minfer.core import TokenLogprobs
 
 
-def completion_logprobs(parts: list[TokenLogprobs], k: int, offset: int = 0) -> tuple[dict, int]:
+class TextCursor:
+    """Where the next token's text starts in an answer, in characters, for `text_offset`: each
+    token's bytes go through an incremental UTF-8 decoder, so a character split over tokens
+    counts once, and a token that continues one starts where that character does."""
+
+    def __init__(self):
+        self.chars = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, raw: bytes) -> None:
+        self.chars += len(self._utf8.decode(raw))
+
+
+def completion_logprobs(parts: list[TokenLogprobs], k: int, cursor: TextCursor | None = None) -> dict:
     """OpenAI's completions `logprobs` object over consecutive tokens with k alternatives each
-    (the prompt's may hold more, for prompt_logprobs); text offsets start at `offset` (the
-    characters before the first token). Returns it and the offset after it."""
+    (the prompt's may hold more, for prompt_logprobs); text offsets continue from `cursor` (the
+    answer's text before the first token), which moves past the tokens."""
+    cursor = cursor or TextCursor()
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for part in parts:
         for i, text in enumerate(part.tokens):
@@ -20,14 +36,15 @@ def completion_logprobs(parts: list[TokenLogprobs], k: int, offset: int = 0) -> 
                 top = dict(zip(part.top_tokens[i][:k], part.top_logprobs[i][:k]))
                 top.setdefault(text, part.logprobs[i])
                 top_logprobs.append(top)
-            text_offset.append(offset)
-            offset += len(text)
+            text_offset.append(cursor.chars)
+            raw = part.raw_bytes.get(part.token_ids[i])
+            cursor.advance(bytes(raw) if raw is not None else text.encode())
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": top_logprobs,
         "text_offset": text_offset,
-    }, offset
+    }
 
 
 def chat_logprobs(lp: TokenLogprobs) -> dict:

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from minfer.ipc import messages as m
 from minfer.server.driver import Choice, Driver, Job, usage
 from minfer.server.errors import ERROR_RESPONSES
-from minfer.server.logprobs import completion_logprobs, vllm_prompt_logprobs
+from minfer.server.logprobs import TextCursor, completion_logprobs, vllm_prompt_logprobs
 from minfer.server.protocol import CompletionRequest
 from minfer.server.state import ServerState, server_state
 
@@ -24,7 +24,7 @@ class CompletionShape:
         self.body = body
         self.base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
         self.want_logprobs = body.logprobs is not None
-        self.offsets: dict[int, int] = {}  # characters streamed so far per choice, for text_offset
+        self.cursors: dict[int, TextCursor] = {}  # the text streamed so far per choice, for text_offset
 
     def build(self, choices: dict[int, Choice]) -> dict:
         body = self.body
@@ -33,7 +33,7 @@ class CompletionShape:
             if not self.want_logprobs:
                 return None
             parts = [c.prompt_logprobs, c.logprobs] if body.echo and c.prompt_logprobs else [c.logprobs]
-            return completion_logprobs(parts, body.logprobs)[0]
+            return completion_logprobs(parts, body.logprobs)
 
         def prompt_logprobs(c: Choice) -> dict:
             if body.prompt_logprobs is None or c.prompt_logprobs is None:
@@ -70,9 +70,7 @@ class CompletionShape:
             return None
         logprobs = None
         if self.want_logprobs:
-            logprobs, self.offsets[index] = completion_logprobs(
-                parts, body.logprobs, self.offsets.get(index, 0)
-            )
+            logprobs = completion_logprobs(parts, body.logprobs, self.cursors.setdefault(index, TextCursor()))
         chunk = {
             **self.base,
             "choices": [

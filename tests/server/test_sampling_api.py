@@ -264,6 +264,48 @@ def test_chat_logprobs_bytes_join_into_a_split_character(server):
                 assert bytes(alternative["bytes"]).decode() == alternative["token"]
 
 
+def assert_offsets_index_the_text(lp: dict, text: str) -> None:
+    """Each whole token's text stands at its text_offset; a character split over tokens counts
+    once, its parts (U+FFFD alone) standing where it does."""
+    for token, offset in zip(lp["tokens"], lp["text_offset"]):
+        if "\ufffd" not in token:
+            assert text[offset : offset + len(token)] == token, (token, offset, text)
+    assert lp["text_offset"][-1] <= len(text)  # an end token adds no text
+
+
+def test_completion_text_offsets_count_split_characters_once(server):
+    prompt = "Hi 😀 ok, 你好 there 🙂!"
+    whole = server.post(
+        "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0}
+    ).json()
+    lp = whole["choices"][0]["logprobs"]
+    assert any(t == "\ufffd" for t in lp["tokens"])  # the premise: characters split over tokens
+    assert_offsets_index_the_text(lp, whole["choices"][0]["text"])
+    body = {
+        "prompt": prompt,
+        "max_tokens": 8,
+        "echo": True,
+        "logprobs": 1,
+        "guided_regex": "( 😀| ok)+",
+        **GREEDY,
+    }
+    events = parse_sse(server.post("/v1/completions", {**body, "stream": True}).text)
+    streamed = {"tokens": [], "text_offset": []}
+    text = ""
+    for event in events:
+        for choice in event["choices"]:
+            text += choice["text"]
+            if choice["logprobs"]:
+                streamed["tokens"] += choice["logprobs"]["tokens"]
+                streamed["text_offset"] += choice["logprobs"]["text_offset"]
+    assert text.startswith(prompt) and "😀" in text[len(prompt) :]
+    assert_offsets_index_the_text(streamed, text)
+    assert (
+        streamed["text_offset"]
+        == server.post("/v1/completions", body).json()["choices"][0]["logprobs"]["text_offset"]
+    )
+
+
 def test_generate_logprobs(server, reference):
     ids = prompt_ids(server, PROMPT)
     body = {
