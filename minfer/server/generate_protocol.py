@@ -93,9 +93,19 @@ class GenerateRequestBody(Body):
     return_text_in_logprobs: bool = False
     timeout: Timeout | None = None  # seconds; then the request is aborted (finish_reason "abort")
 
+    @property
+    def prompt_only(self) -> bool:
+        """max_new_tokens 0 (SGLang's): the prompt alone, with its logprobs when asked for; the
+        engine draws one token, which the answer leaves out (driver.without_drawn_tokens)."""
+        return self.sampling_params.max_new_tokens == 0
+
     def params(self) -> tuple[SamplingParams, bool]:
         sp = self.sampling_params
         refuse_unsupported(sp.model_extra, UNSUPPORTED_SAMPLING_PARAMS, "sampling_params.")
+        if self.prompt_only and sp.min_new_tokens:
+            raise APIError(
+                400, "min_new_tokens is more than max_new_tokens=0", "sampling_params.min_new_tokens"
+            )
         logprobs = self.top_logprobs_num if self.return_logprob else None
         prompt_logprobs = logprobs if self.return_logprob and self.logprob_start_len >= 0 else None
         return to_sampling_params(
@@ -104,7 +114,7 @@ class GenerateRequestBody(Body):
                 "top_p": sp.top_p,
                 "top_k": sp.top_k,
                 "min_p": sp.min_p,
-                "max_tokens": sp.max_new_tokens,
+                "max_tokens": 1 if self.prompt_only else sp.max_new_tokens,
                 "min_tokens": sp.min_new_tokens,
                 "stop": stop_list(sp.stop),
                 "stop_token_ids": sp.stop_token_ids,

@@ -89,6 +89,7 @@ async def generate(body: GenerateRequestBody, request: Request, state: ServerSta
         params,
         auto,
         timeout=body.timeout,
+        prompt_only=body.prompt_only,
         prompt_param="text" if body.text is not None else "input_ids",
     )
     return await Driver(state, request, job).respond(GenerateShape(body, rid, batched), body.stream)

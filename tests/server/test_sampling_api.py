@@ -330,6 +330,20 @@ def test_generate_logprobs(server, reference):
         "input_token_logprobs"
         not in server.post("/generate", {**body, "logprob_start_len": -1}).json()["meta_info"]
     )
+    # SGLang's max_new_tokens 0: the prompt scored alone, nothing generated
+    alone = server.post("/generate", {**body, "sampling_params": {"max_new_tokens": 0}}).json()
+    assert (
+        alone["text"] == ""
+        and alone["output_ids"] == []
+        and alone["meta_info"]["output_token_logprobs"] == []
+    )
+    assert alone["meta_info"]["completion_tokens"] == 0
+    assert alone["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    scored = alone["meta_info"]["input_token_logprobs"]
+    assert [t[1] for t in scored] == ids[2:]
+    assert torch.allclose(
+        torch.tensor([t[0] for t in scored]), torch.tensor([t[0] for t in inputs]), atol=1e-5
+    )
 
 
 def generate_ids(server: Server, **sampling) -> list[int]:
