@@ -1,7 +1,8 @@
-"""The HTTP API: OpenAI's completions and chat, SGLang's /generate, vLLM's tokenizer endpoints.
+"""The HTTP API: OpenAI's completions, chat and responses, SGLang's /generate, vLLM's tokenizer
+endpoints.
 
 `build_app` assembles the routers (one module per API: openai_completions, openai_chat,
-sglang_generate, admin), the error handlers (errors.py) and the guards in front of them
+openai_responses, sglang_generate, admin), the error handlers (errors.py) and the guards in front of them
 (guards.py: API key, body size). Each endpoint validates its body (protocol.py), hands its
 engine requests to the response driver (driver.py) and shapes the answer.
 """
@@ -14,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from minfer import __version__
-from minfer.server import admin, openai_chat, openai_completions, sglang_generate
+from minfer.server import admin, openai_chat, openai_completions, openai_responses, sglang_generate
 from minfer.server.connection import uvicorn_options
 from minfer.server.errors import install_error_handlers
 from minfer.server.guards import APIKeyGuard, BodySizeLimit
@@ -48,7 +49,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="minfer", version=__version__, docs_url=None, redoc_url=None)
     app.state.minfer = state
     install_error_handlers(app)
-    for module in (openai_completions, openai_chat, sglang_generate, admin):
+    for module in (openai_completions, openai_chat, openai_responses, sglang_generate, admin):
         app.include_router(module.router)
     app.openapi = lambda: openapi_schema(app)
     cfg = state.server_config

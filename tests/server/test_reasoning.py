@@ -108,3 +108,28 @@ def test_without_the_marker_deepseek_r1_reasons_throughout(server):
     body = _body(response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": schema}})
     msg = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]
     assert (msg["reasoning_content"], msg["content"]) == ('"no marker"', "")
+
+
+def test_responses_put_the_reasoning_in_its_own_item(server):
+    """/v1/responses: a reasoning item (reasoning_text) before the message, streamed and whole."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    schema = {"type": "string", "enum": [FORCED]}
+    kw = {
+        "model": "tiny",
+        "input": "Capital of France?",
+        "max_output_tokens": 40,
+        "temperature": 0,
+        "text": {"format": {"type": "json_schema", "name": "forced", "schema": schema}},
+    }
+    whole = client.responses.create(**kw)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == '"weigh it' and whole.output_text == 'Paris"'
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.output[0].content[0].text == '"weigh it' and final.output_text == 'Paris"'
+    deltas = [e.type for e in events if e.type.endswith(".delta")]
+    assert deltas == sorted(deltas, key=lambda t: t == "response.output_text.delta"), "reasoning first"
+    assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
