@@ -39,6 +39,9 @@ class InputMessage(Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[InputText]
 
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
 
 class TextFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
@@ -73,12 +76,8 @@ class ResponsesRequest(Body):
             raise APIError(
                 400, "tools are not supported by the responses endpoint: use chat completions", "tools"
             )
-        turns = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else []
-        for item in [] if isinstance(self.input, str) else self.input:
-            content = (
-                item.content if isinstance(item.content, str) else "\n".join(p.text for p in item.content)
-            )
-            turns.append({"role": item.role, "content": content})
+        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        turns = [{"role": item.role, "content": item.text()} for item in items]
         if self.instructions:
             turns.insert(0, {"role": "system", "content": self.instructions})
         fields = {"model": self.model, "messages": turns, "stream": self.stream}
