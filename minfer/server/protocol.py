@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from minfer.core import InvalidRequestError, SamplingParams
+from minfer.core import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from minfer.server.body import (
     MAX_CHOICES,
     MAX_TOOLS,
@@ -308,6 +308,10 @@ class ChatCompletionRequest(OpenAISamplingFields):
     def logprob_counts(self) -> tuple[int | None, int | None]:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:  # named as sent
+            raise APIError(
+                400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", "top_logprobs"
+            )
         return (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs
 
     def check_supported(self) -> None:

@@ -110,6 +110,21 @@ BAD_INPUT = [
         "response_format.json_schema",
     ),
     ("logit_bias key with sign", COMPLETIONS, {"prompt": "x", "logit_bias": {"+5": 1}}, 400, "logit_bias"),
+    (
+        "top_logprobs over 20",
+        CHAT,
+        {"messages": HELLO, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
+    ("max_tokens 0 without echo", COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    (
+        "responses: max_output_tokens 0",
+        "/v1/responses",
+        {"input": "x", "max_output_tokens": 0},
+        400,
+        "max_output_tokens",
+    ),
     # strict types: no coercion
     ("max_tokens a string", COMPLETIONS, {"prompt": "x", "max_tokens": "10"}, 400, "max_tokens"),
     ("max_tokens a float", CHAT, {"messages": HELLO, "max_tokens": 10.0}, 400, "max_tokens"),
