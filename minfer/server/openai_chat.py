@@ -158,11 +158,9 @@ class ChatShape:
             yield {**self.chunk_base, "choices": [], "usage": usage(choices, self.body.n)}
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, state: ServerState = Depends(server_state)
-):
-    state.check_model(body.model)
+def chat_job(body: ChatCompletionRequest, state: ServerState, rid: str, prompt_param: str = "messages"):
+    """The Job of a chat request, and its ToolPlan (None without tools): the tools go into the
+    template's input, and a forced call becomes the output's grammar."""
     body.check_supported()
     params, auto = body.sampling_params()
     messages, tools = body.template_messages(), None
@@ -173,7 +171,6 @@ async def chat_completions(
         forced = plan.structured_output()
         if forced is not None:
             params = msgspec.structs.replace(params, structured_output=forced)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
     job = Job(
         rid,
         [messages],
@@ -182,12 +179,22 @@ async def chat_completions(
         n=body.n,
         chat=True,
         timeout=body.timeout,
-        prompt_param="messages",
+        prompt_param=prompt_param,
         tools=tools,
         chat_template_kwargs=body.chat_template_kwargs,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
     )
+    return job, plan
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: ServerState = Depends(server_state)
+):
+    state.check_model(body.model)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    job, plan = chat_job(body, state, rid)
     parser = state.server_config.reasoning_parser
     shape = ChatShape(body, rid, state.model_name, plan, None if parser == "none" else parser)
     return await Driver(state, request, job).respond(shape, body.stream)

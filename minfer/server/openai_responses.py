@@ -1,133 +1,67 @@
-"""OpenAI's POST /v1/responses, stateless: text in, text out, through the chat path.
+"""OpenAI's POST /v1/responses, stateless, through the chat path.
 
-The input (a string, or messages whose content is a string or input_text / output_text parts)
-and the `instructions` become chat messages, rendered with the model's chat template;
-`max_output_tokens`, `temperature`, `top_p` and `text.format` (json_object, json_schema) become
-the chat request's fields. The answer is a `response` whose output is a message with one
-output_text part (after a reasoning item, with a --reasoning-parser); streamed, it is OpenAI's
-event sequence (response.created ... response.output_text.delta ... response.completed).
-Nothing is stored, so `previous_response_id` is refused, as are tools (chat completions take them).
+The body becomes a chat request (responses_protocol.py) and runs as one (openai_chat.chat_job:
+the chat template, tools, grammars). The answer is a `response` whose output items are a
+reasoning item (with a --reasoning-parser), the message (one output_text part) and function
+calls (with tools); streamed, OpenAI's event sequence: response.created, response.in_progress,
+then per item output_item.added, its deltas (reasoning_text, output_text or
+function_call_arguments) and done events, output_item.done, and finally response.completed
+(response.incomplete at max_output_tokens, response.failed when aborted).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
 from minfer.ipc import messages as m
-from minfer.server.body import Body, Int, Text
-from minfer.server.driver import Choice, Driver, Job
+from minfer.server.driver import Choice, Driver
 from minfer.server.errors import ERROR_RESPONSES, APIError
-from minfer.server.protocol import ChatCompletionRequest
+from minfer.server.openai_chat import chat_job
 from minfer.server.reasoning import ReasoningStream, split_reasoning
+from minfer.server.responses_protocol import NamedFunctionChoice, ResponsesRequest
 from minfer.server.state import ServerState, server_state
+from minfer.server.tool_calls import ToolPlan, message
+from minfer.server.tool_stream import ToolCallStream
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
 
-class InputText(Body):
-    type: Literal["input_text", "output_text"]
-    text: str
-
-
-class InputMessage(Body):
-    type: Literal["message"] = "message"
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[InputText]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-
-
-class TextFormat(Body):
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    json_schema: dict | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class TextConfig(Body):
-    format: TextFormat | None = None
-
-
-class ResponsesRequest(Body):
-    model: str | None = None
-    input: Text | Annotated[list[InputMessage], Field(min_length=1)]
-    instructions: str | None = None
-    max_output_tokens: Int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    text: TextConfig | None = None
-    previous_response_id: str | None = None
-    tools: list[dict] | None = None
-
-    def chat_request(self) -> ChatCompletionRequest:
-        """The same request as a chat completion (instructions first, as a system message)."""
-        if self.previous_response_id is not None:
-            raise APIError(
-                400, "responses are not stored: send the whole conversation as input", "previous_response_id"
-            )
-        if self.tools:
-            raise APIError(
-                400, "tools are not supported by the responses endpoint: use chat completions", "tools"
-            )
-        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        turns = [{"role": item.role, "content": item.text()} for item in items]
-        if self.instructions:
-            turns.insert(0, {"role": "system", "content": self.instructions})
-        fields = {"model": self.model, "messages": turns, "stream": self.stream}
-        for name, value in (
-            ("max_tokens", self.max_output_tokens),
-            ("temperature", self.temperature),
-            ("top_p", self.top_p),
-        ):
-            if value is not None:
-                fields[name] = value
-        fmt = self.text.format if self.text is not None else None
-        if fmt is not None and fmt.type == "json_object":
-            fields["response_format"] = {"type": "json_object"}
-        elif fmt is not None and fmt.type == "json_schema":
-            schema = {"name": fmt.name or "response", "schema": fmt.json_schema or {}, "strict": fmt.strict}
-            fields["response_format"] = {"type": "json_schema", "json_schema": schema}
-        return ChatCompletionRequest.model_validate(fields)
-
-
 class ResponsesShape:
-    """A `response` object, or its stream of events. Output items appear in order: a reasoning
-    item (with a reasoning parser, once the model reasons), then the message."""
+    """A `response` object, or its stream of events. Output items in the order they appear: a
+    reasoning item (with a reasoning parser), the message, function calls (with tools)."""
 
-    def __init__(self, body: ResponsesRequest, rid: str, model: str, reasoning_parser: str | None):
-        self.body, self.rid, self.model = body, rid, model
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        rid: str,
+        model: str,
+        plan: ToolPlan | None,
+        reasoning_parser: str | None,
+    ):
+        self.body, self.rid, self.model, self.plan = body, rid, model, plan
         self.created = int(time.time())
-        self.ids = {"reasoning": f"rs_{uuid.uuid4().hex}", "message": f"msg_{uuid.uuid4().hex}"}
         self.parser = reasoning_parser
         self.splitter = ReasoningStream(reasoning_parser) if reasoning_parser else None
-        self.streamed: dict[str, str] = {}  # output item kind -> its text so far, in opening order
+        self.calls = ToolCallStream(plan) if plan is not None else None
+        self.items: dict[str, dict] = {}  # streamed output items by key, in the order they opened
         self.sequence = 0
 
-    def item(self, kind: str, text: str, status: str) -> dict:
+    @staticmethod
+    def item(kind: str, text: str, status: str, item_id: str | None = None, **call) -> dict:
+        """An output item: kind "reasoning", "message", or "function_call" (`call`: its call_id
+        and name; `text` its arguments)."""
+        item_id = item_id or f"{ {'reasoning': 'rs', 'message': 'msg'}.get(kind, 'fc') }_{uuid.uuid4().hex}"
+        if kind == "function_call":
+            return {"type": kind, "id": item_id, "status": status, **call, "arguments": text}
         if kind == "reasoning":
             part = {"type": "reasoning_text", "text": text}
-            return {
-                "type": "reasoning",
-                "id": self.ids[kind],
-                "summary": [],
-                "content": [part],
-                "status": status,
-            }
+            return {"type": kind, "id": item_id, "summary": [], "content": [part], "status": status}
         part = {"type": "output_text", "text": text, "annotations": []}
-        return {
-            "type": "message",
-            "id": self.ids[kind],
-            "status": status,
-            "role": "assistant",
-            "content": [part],
-        }
+        return {"type": kind, "id": item_id, "status": status, "role": "assistant", "content": [part]}
 
     def response(self, status: str, output: list[dict], c: Choice | None = None) -> dict:
         usage = None
@@ -139,26 +73,28 @@ class ResponsesShape:
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": c.prompt_tokens + c.completion_tokens,
             }
-        failed = status == "failed"
+        body = self.body
         return {
             "id": self.rid,
             "object": "response",
             "created_at": self.created,
             "status": status,
-            "error": {"code": "server_error", "message": str(c.stop_reason or "aborted")} if failed else None,
+            "error": {"code": "server_error", "message": str(c.stop_reason or "aborted")}
+            if status == "failed"
+            else None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": self.body.instructions,
-            "max_output_tokens": self.body.max_output_tokens,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
             "model": self.model,
             "output": output,
-            "parallel_tool_calls": False,
-            "temperature": self.body.temperature,
-            "top_p": self.body.top_p,
-            "tool_choice": "none",
-            "tools": [],
-            "text": self.body.text.model_dump(by_alias=True)
-            if self.body.text
-            else {"format": {"type": "text"}},
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "tool_choice": body.tool_choice.model_dump()
+            if isinstance(body.tool_choice, NamedFunctionChoice)
+            else body.tool_choice or "auto",
+            "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
+            "text": body.text.model_dump(by_alias=True) if body.text else {"format": {"type": "text"}},
             "store": False,
             "usage": usage,
         }
@@ -171,9 +107,18 @@ class ResponsesShape:
         c = choices[0]
         reasoning, text = split_reasoning(self.parser, c.text) if self.parser else (None, c.text)
         status = self.status(c.finish_reason)
-        item_status = "incomplete" if status != "completed" else "completed"
-        output = [] if reasoning is None else [self.item("reasoning", reasoning, item_status)]
-        return self.response(status, [*output, self.item("message", text, item_status)], c)
+        done = "completed" if status == "completed" else "incomplete"
+        msg = message(self.plan, text) if self.plan is not None else {"content": text}
+        calls = msg.get("tool_calls", [])
+        output = [] if reasoning is None else [self.item("reasoning", reasoning, done)]
+        if msg["content"] or not calls:
+            output.append(self.item("message", msg["content"] or "", done))
+        for call in calls:
+            fn = call["function"]
+            output.append(
+                self.item("function_call", fn["arguments"], done, call_id=call["id"], name=fn["name"])
+            )
+        return self.response(status, output, c)
 
     def event(self, kind: str, **fields) -> dict:
         self.sequence += 1
@@ -189,60 +134,95 @@ class ResponsesShape:
             pieces = [("content", reply.text)] if reply.text else []
         else:
             pieces = self.splitter.feed(reply.text) + (self.splitter.finish() if done else [])
-        out: list[dict] = []
-        for kind, text in pieces:
-            kind = "reasoning" if kind == "reasoning_content" else "message"
-            if kind not in self.streamed:
-                out += self.open_item(kind)
-            self.streamed[kind] += text
-            where = self.where(kind)
-            delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-            out.append(
-                self.event(delta, **where, delta=text, **({} if kind == "reasoning" else {"logprobs": []}))
+        deltas: list[dict] = []
+        for kind, text in pieces:  # the answer's text through the tool-call stream, with tools
+            deltas += (
+                self.calls.feed(text) if self.calls is not None and kind == "content" else [{kind: text}]
             )
+        if done and self.calls is not None:
+            deltas += self.calls.finish()
+        out = [event for delta in deltas for event in self.delta_events(delta)]
         if done:
-            if "message" not in self.streamed:  # an empty answer is still a message
-                out += self.open_item("message")
+            if not self.items:  # an empty answer is still a message
+                out += self.open_item("message", "message")
             status = self.status(reply.finish_reason)
-            for kind in list(self.streamed):
-                out += self.close_item(kind, "completed" if status == "completed" else "incomplete")
-            output = [
-                self.item(k, t, "completed" if status == "completed" else "incomplete")
-                for k, t in self.streamed.items()
-            ]
+            final_status = "completed" if status == "completed" else "incomplete"
+            for key in list(self.items):
+                out += self.close_item(key, final_status)
+            output = [self.whole_item(key, final_status) for key in self.items]
             final = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
                 status, "response.failed"
             )
             out.append(self.event(final, response=self.response(status, output, choices[index])))
         return out
 
-    def where(self, kind: str) -> dict:
-        return {
-            "item_id": self.ids[kind],
-            "output_index": list(self.streamed).index(kind),
-            "content_index": 0,
-        }
-
-    def open_item(self, kind: str) -> list[dict]:
-        self.streamed[kind] = ""
-        item = {**self.item(kind, "", "in_progress"), "content": []}
-        out = [self.event("response.output_item.added", output_index=len(self.streamed) - 1, item=item)]
-        if kind == "message":
-            part = {"type": "output_text", "text": "", "annotations": []}
-            out.append(self.event("response.content_part.added", **self.where(kind), part=part))
+    def delta_events(self, delta: dict) -> list[dict]:
+        """The events of one chat-shaped delta: reasoning_content, content, or a tool call's
+        start (its id and name) or arguments."""
+        out: list[dict] = []
+        if "tool_calls" in delta:
+            call = delta["tool_calls"][0]
+            key = f"call{call['index']}"
+            if "id" in call:
+                out += self.open_item(key, "function_call", call_id=call["id"], name=call["function"]["name"])
+            text = call["function"].get("arguments", "")
+            if text:
+                self.items[key]["text"] += text
+                out.append(
+                    self.event("response.function_call_arguments.delta", **self.where(key), delta=text)
+                )
+            return out
+        kind, text = next(iter(delta.items()))
+        key = "reasoning" if kind == "reasoning_content" else "message"
+        if key not in self.items:
+            out += self.open_item(key, key)
+        self.items[key]["text"] += text
+        if key == "reasoning":
+            out.append(
+                self.event("response.reasoning_text.delta", **self.where(key), content_index=0, delta=text)
+            )
+        else:
+            out.append(
+                self.event(
+                    "response.output_text.delta", **self.where(key), content_index=0, delta=text, logprobs=[]
+                )
+            )
         return out
 
-    def close_item(self, kind: str, status: str) -> list[dict]:
-        text, where = self.streamed[kind], self.where(kind)
-        if kind == "reasoning":
-            out = [self.event("response.reasoning_text.done", **where, text=text)]
+    def where(self, key: str) -> dict:
+        return {"item_id": self.items[key]["id"], "output_index": list(self.items).index(key)}
+
+    def whole_item(self, key: str, status: str) -> dict:
+        record = self.items[key]
+        return self.item(record["kind"], record["text"], status, record["id"], **record["call"])
+
+    def open_item(self, key: str, kind: str, **call) -> list[dict]:
+        item = self.item(kind, "", "in_progress", **call)
+        self.items[key] = {"kind": kind, "id": item["id"], "text": "", "call": call}
+        if kind != "function_call":
+            item["content"] = []
+        out = [self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)]
+        if kind == "message":
+            part = {"type": "output_text", "text": "", "annotations": []}
+            out.append(
+                self.event("response.content_part.added", **self.where(key), content_index=0, part=part)
+            )
+        return out
+
+    def close_item(self, key: str, status: str) -> list[dict]:
+        record, where = self.items[key], self.where(key)
+        text = record["text"]
+        if record["kind"] == "function_call":
+            out = [self.event("response.function_call_arguments.done", **where, arguments=text)]
+        elif record["kind"] == "reasoning":
+            out = [self.event("response.reasoning_text.done", **where, content_index=0, text=text)]
         else:
             part = {"type": "output_text", "text": text, "annotations": []}
             out = [
-                self.event("response.output_text.done", **where, text=text, logprobs=[]),
-                self.event("response.content_part.done", **where, part=part),
+                self.event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
+                self.event("response.content_part.done", **where, content_index=0, part=part),
             ]
-        item = self.item(kind, text, status)
+        item = self.whole_item(key, status)
         return [*out, self.event("response.output_item.done", output_index=where["output_index"], item=item)]
 
     def closing(self, choices: dict[int, Choice]):
@@ -264,13 +244,10 @@ def responses_param(param: str | None) -> str | None:
 async def responses(body: ResponsesRequest, request: Request, state: ServerState = Depends(server_state)):
     state.check_model(body.model)
     try:
-        chat = body.chat_request()
-        chat.check_supported()
-        params, auto = chat.sampling_params()
         rid = f"resp_{uuid.uuid4().hex}"
-        job = Job(rid, [chat.template_messages()], params, auto, chat=True, prompt_param="input")
+        job, plan = chat_job(body.chat_request(), state, rid, prompt_param="input")
         parser = state.server_config.reasoning_parser
-        shape = ResponsesShape(body, rid, state.model_name, None if parser == "none" else parser)
+        shape = ResponsesShape(body, rid, state.model_name, plan, None if parser == "none" else parser)
         return await Driver(state, request, job).respond(shape, body.stream)
     except ValidationError as e:  # a field the chat request checks further (a response format's schema)
         error = e.errors()[0]

@@ -110,7 +110,7 @@ def test_text_format_json_schema(client):
     [
         ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+        ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input"),
         ({"input": ""}, "input"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "model": "other"}, "model"),

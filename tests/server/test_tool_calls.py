@@ -334,3 +334,71 @@ def test_generation_prompt_and_continued_final_message(family):
     for bad in ({"messages": ASK, "add_generation_prompt": False}, {"messages": partial}):
         raw = srv.post("/v1/chat/completions", {**bad, "max_tokens": 1, "continue_final_message": True})
         assert raw.status_code == 400 and raw.json()["error"]["param"] == "continue_final_message", raw.text
+
+
+# -- the same tools through /v1/responses -------------------------------------------------------
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # Responses' flat shape
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_responses_function_calls_streamed_and_whole(family, choice):
+    """A forced call comes back as a function_call item (call_id, name, arguments valid for the
+    schema); streamed, as output_item.added, function_call_arguments deltas and done, and the
+    stream helper's final response holds the same call."""
+    _, client, _ = family
+    kw = {
+        "model": "tiny",
+        "input": "What is the weather in Paris?",
+        "tools": RESPONSES_TOOLS,
+        "tool_choice": choice,
+        "parallel_tool_calls": False,
+        "max_output_tokens": 80,
+        "temperature": 0,
+    }
+    whole = client.responses.create(**kw)
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert whole.status == "completed" and len(calls) == 1 and calls[0].call_id.startswith("call_")
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    (streamed,) = [item for item in final.output if item.type == "function_call"]
+    assert (streamed.name, json.loads(streamed.arguments)) == (calls[0].name, json.loads(calls[0].arguments))
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert json.loads(deltas) == json.loads(streamed.arguments)
+    kinds = [e.type for e in events]
+    assert kinds.index("response.function_call_arguments.done") < kinds.index("response.completed")
+
+
+def test_responses_send_calls_and_outputs_back_as_chat_would(family):
+    """A conversation with a function call and its output renders as the chat request with an
+    assistant tool_calls message and a tool message: the same prompt tokens."""
+    _, client, _ = family
+    arguments = '{"city": "Paris", "metric": true}'
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": arguments},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21 C, sunny"},
+    ]
+    out = client.responses.create(model="tiny", input=history, tools=RESPONSES_TOOLS, max_output_tokens=4)
+    as_chat = client.chat.completions.create(
+        model="tiny",
+        messages=[
+            ASK[0],
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"},
+        ],
+        tools=TOOLS,
+        max_tokens=4,
+    )
+    assert out.usage.input_tokens == as_chat.usage.prompt_tokens
