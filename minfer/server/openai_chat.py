@@ -17,6 +17,7 @@ from minfer.server.reasoning import ReasoningStream, split_reasoning
 from minfer.server.state import ServerState, server_state
 from minfer.server.tool_calls import ToolPlan, finish_reason, message, tool_plan
 from minfer.server.tool_stream import ToolCallStream
+from minfer.tokenizer.intake import developer_as_system
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
@@ -163,8 +164,9 @@ def chat_job(body: ChatCompletionRequest, state: ServerState, rid: str, prompt_p
     template's input, and a forced call becomes the output's grammar."""
     body.check_supported()
     params, auto = body.sampling_params()
-    messages, tools = body.template_messages(), None
     template = state.tokenizer_info.get("chat_template")
+    # before the tool plan, which merges its tools prompt into a leading system message
+    messages, tools = developer_as_system(template, body.template_messages()), None
     plan = tool_plan(body, state.server_config.tool_call_parser, template)
     if plan is not None:
         messages, tools = plan.template_inputs(messages, template)

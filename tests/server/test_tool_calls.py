@@ -402,3 +402,20 @@ def test_responses_send_calls_and_outputs_back_as_chat_would(family):
         max_tokens=4,
     )
     assert out.usage.input_tokens == as_chat.usage.prompt_tokens
+
+
+def test_a_developer_message_is_the_system_message_beside_tools(family):
+    """OpenAI's developer role renders as system (tokenizer/intake.developer_as_system) before
+    the tools prompt is merged into a leading system message (Llama 3.0's template, which reads
+    no tools): the same prompt, token for token, as with a system message."""
+    _, client, _ = family
+    prompts = []
+    for role in ("system", "developer"):
+        out = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": role, "content": "Answer in French."}, *ASK],
+            tools=TOOLS,
+            max_tokens=1,
+        )
+        prompts.append(out.usage.prompt_tokens)
+    assert prompts[0] == prompts[1]
