@@ -119,10 +119,9 @@ class ChatShape:
         """A reply's chunks when tools are in play: content or tool-call deltas, and at the end
         what the stream held back, then the finish_reason."""
         stream = self.tool_streams.setdefault(index, ToolCallStream(self.plan))
-        deltas = stream.feed(reply.text)
+        deltas = answer_deltas(reply.text, reply.finish_reason is not None, None, stream)
         if reply.finish_reason is None:
             return [self._chunk(index, delta) for delta in deltas]
-        deltas += stream.finish()
         reason = finish_reason(reply.finish_reason, stream.has_calls)
         out = [self._chunk(index, delta) for delta in deltas]
         out.append(self._chunk(index, {}, reason, choices[index].stop_reason))
@@ -135,13 +134,8 @@ class ChatShape:
         the tool-call stream when tools are in play); the logprobs ride on the first chunk."""
         reasoning = self.reasoning_streams.setdefault(index, ReasoningStream(self.reasoning_parser))
         done = reply.finish_reason is not None
-        pieces = reasoning.feed(reply.text) + (reasoning.finish() if done else [])
         tools = None if self.plan is None else self.tool_streams.setdefault(index, ToolCallStream(self.plan))
-        deltas: list[dict] = []
-        for kind, text in pieces:
-            deltas += tools.feed(text) if tools is not None and kind == "content" else [{kind: text}]
-        if done and tools is not None:
-            deltas += tools.finish()
+        deltas = answer_deltas(reply.text, done, reasoning, tools)
         out = [self._chunk(index, delta) for delta in deltas]
         if self.body.logprobs and reply.logprobs is not None:
             if not out:
@@ -157,6 +151,24 @@ class ChatShape:
     def closing(self, choices: dict[int, Choice]):
         if self.body.include_usage:
             yield {**self.chunk_base, "choices": [], "usage": usage(choices, self.body.n)}
+
+
+def answer_deltas(
+    text: str, done: bool, reasoning: ReasoningStream | None, tools: ToolCallStream | None
+) -> list[dict]:
+    """New answer text as chat deltas: `reasoning_content` and `content` (with a reasoning
+    parser), the content through the tool-call stream (with tools: `content` or `tool_calls`),
+    and once the answer is `done`, what either stream held back."""
+    if reasoning is None:
+        pieces = [("content", text)] if text else []
+    else:
+        pieces = reasoning.feed(text) + (reasoning.finish() if done else [])
+    deltas: list[dict] = []
+    for kind, piece in pieces:
+        deltas += tools.feed(piece) if tools is not None and kind == "content" else [{kind: piece}]
+    if done and tools is not None:
+        deltas += tools.finish()
+    return deltas
 
 
 def chat_job(body: ChatCompletionRequest, state: ServerState, rid: str, prompt_param: str = "messages"):

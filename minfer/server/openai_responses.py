@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from minfer.ipc import messages as m
 from minfer.server.driver import Choice, Driver
 from minfer.server.errors import ERROR_RESPONSES, APIError
-from minfer.server.openai_chat import chat_job
+from minfer.server.openai_chat import answer_deltas, chat_job
 from minfer.server.reasoning import ReasoningStream, split_reasoning
 from minfer.server.responses_protocol import NamedFunctionChoice, ResponsesRequest
 from minfer.server.state import ServerState, server_state
@@ -28,6 +28,7 @@ from minfer.server.tool_calls import ToolPlan, message
 from minfer.server.tool_stream import ToolCallStream
 
 router = APIRouter(responses=ERROR_RESPONSES)
+ITEM_ID_PREFIX = {"reasoning": "rs", "message": "msg", "function_call": "fc"}  # as OpenAI's ids start
 
 
 class ResponsesShape:
@@ -54,7 +55,7 @@ class ResponsesShape:
     def item(kind: str, text: str, status: str, item_id: str | None = None, **call) -> dict:
         """An output item: kind "reasoning", "message", or "function_call" (`call`: its call_id
         and name; `text` its arguments)."""
-        item_id = item_id or f"{ {'reasoning': 'rs', 'message': 'msg'}.get(kind, 'fc') }_{uuid.uuid4().hex}"
+        item_id = item_id or f"{ITEM_ID_PREFIX[kind]}_{uuid.uuid4().hex}"
         if kind == "function_call":
             return {"type": kind, "id": item_id, "status": status, **call, "arguments": text}
         if kind == "reasoning":
@@ -130,17 +131,7 @@ class ResponsesShape:
 
     def chunk(self, index: int, reply: m.Reply, choices: dict[int, Choice]) -> list[dict]:
         done = reply.finish_reason is not None
-        if self.splitter is None:
-            pieces = [("content", reply.text)] if reply.text else []
-        else:
-            pieces = self.splitter.feed(reply.text) + (self.splitter.finish() if done else [])
-        deltas: list[dict] = []
-        for kind, text in pieces:  # the answer's text through the tool-call stream, with tools
-            deltas += (
-                self.calls.feed(text) if self.calls is not None and kind == "content" else [{kind: text}]
-            )
-        if done and self.calls is not None:
-            deltas += self.calls.finish()
+        deltas = answer_deltas(reply.text, done, self.splitter, self.calls)
         out = [event for delta in deltas for event in self.delta_events(delta)]
         if done:
             if not self.items:  # an empty answer is still a message

@@ -150,14 +150,12 @@ class DetokenizerWorker:
     def with_token_strings(self, lp: TokenLogprobs) -> TokenLogprobs:
         """Fill the text of each token (each decoded alone, as OpenAI's and vLLM's logprobs show
         it), and the bytes of those whose text is not their bytes (part of a character)."""
-        lp.tokens = [self._token_string(t) for t in lp.token_ids]
-        lp.top_tokens = [[self._token_string(t) for t in ids] for ids in lp.top_ids]
-        for t in (*lp.token_ids, *(t for ids in lp.top_ids for t in ids)):
-            if t in self._raw_bytes:
-                lp.raw_bytes[t] = self._raw_bytes[t]
+        lp.tokens = [self._token_string(t, lp) for t in lp.token_ids]
+        lp.top_tokens = [[self._token_string(t, lp) for t in ids] for ids in lp.top_ids]
         return lp
 
-    def _token_string(self, token_id: int) -> str:
+    def _token_string(self, token_id: int, lp: TokenLogprobs) -> str:
+        """The token's text alone (cached); its bytes go into `lp.raw_bytes` where they differ."""
         text = self._token_strings.get(token_id)
         if text is None:
             text = self._token_strings[token_id] = self.token_text([token_id])
@@ -165,6 +163,8 @@ class DetokenizerWorker:
                 raw = token_bytes(self.tokenizer, token_id, self._byte_level)
                 if raw is not None and raw != list(text.encode()):
                     self._raw_bytes[token_id] = raw
+        if token_id in self._raw_bytes:
+            lp.raw_bytes[token_id] = self._raw_bytes[token_id]
         return text
 
 
