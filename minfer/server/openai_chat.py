@@ -97,10 +97,8 @@ class ChatShape:
             yield self._chunk(index, {"role": "assistant", "content": ""})
 
     def chunk(self, index: int, reply: m.Reply, choices: dict[int, Choice]) -> dict | list[dict] | None:
-        if self.reasoning_parser is not None:
+        if self.reasoning_parser is not None or self.plan is not None:
             return self.split_chunks(index, reply, choices)
-        if self.plan is not None:
-            return self.tool_chunks(index, reply, choices)
         has_logprobs = self.body.logprobs and reply.logprobs is not None
         if not reply.text and reply.finish_reason is None and not has_logprobs:
             return None
@@ -115,24 +113,13 @@ class ChatShape:
             c["usage"] = usage(choices, self.body.n)
         return c
 
-    def tool_chunks(self, index: int, reply: m.Reply, choices: dict[int, Choice]) -> list[dict]:
-        """A reply's chunks when tools are in play: content or tool-call deltas, and at the end
-        what the stream held back, then the finish_reason."""
-        stream = self.tool_streams.setdefault(index, ToolCallStream(self.plan))
-        deltas = answer_deltas(reply.text, reply.finish_reason is not None, None, stream)
-        if reply.finish_reason is None:
-            return [self._chunk(index, delta) for delta in deltas]
-        reason = finish_reason(reply.finish_reason, stream.has_calls)
-        out = [self._chunk(index, delta) for delta in deltas]
-        out.append(self._chunk(index, {}, reason, choices[index].stop_reason))
-        if self.body.continuous_usage:
-            out[-1]["usage"] = usage(choices, self.body.n)
-        return out
-
     def split_chunks(self, index: int, reply: m.Reply, choices: dict[int, Choice]) -> list[dict]:
-        """A reply's chunks with a reasoning parser: reasoning deltas, then the answer's (through
-        the tool-call stream when tools are in play); the logprobs ride on the first chunk."""
-        reasoning = self.reasoning_streams.setdefault(index, ReasoningStream(self.reasoning_parser))
+        """A reply's chunks with a reasoning parser or tools: reasoning deltas, then the answer's
+        (through the tool-call stream when tools are in play), what either held back once the
+        answer ends, then the finish_reason; the logprobs ride on the first chunk."""
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning = self.reasoning_streams.setdefault(index, ReasoningStream(self.reasoning_parser))
         done = reply.finish_reason is not None
         tools = None if self.plan is None else self.tool_streams.setdefault(index, ToolCallStream(self.plan))
         deltas = answer_deltas(reply.text, done, reasoning, tools)

@@ -419,3 +419,21 @@ def test_a_developer_message_is_the_system_message_beside_tools(family):
         )
         prompts.append(out.usage.prompt_tokens)
     assert prompts[0] == prompts[1]
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_stream_with_tools_carries_the_logprobs_of_every_token(family, choice):
+    """Streamed with tools, each token's logprobs ride on the chunks as they do without tools:
+    joined, they are the whole answer's, token for token."""
+    _, _, srv = family
+    body = {"tools": TOOLS, "tool_choice": choice, "logprobs": True, "top_logprobs": 2}
+    whole = chat(srv, **body).choices[0]
+    chunks = stream(srv, **body)
+    streamed = [
+        t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+    ]
+    assert len(streamed) == len(whole.logprobs.content) > 0
+    for got, want in zip(streamed, whole.logprobs.content):
+        assert (got.token, got.bytes, len(got.top_logprobs)) == (want.token, want.bytes, 2)
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
