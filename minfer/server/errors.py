@@ -129,8 +129,8 @@ def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
                 continue  # a union branch (`str`, `list[int]`, `function-after[...]`), not a field
             else:
                 path += f".{item}" if path else item
-        if err.get("type") == "json_invalid":
-            text = "the request body is not valid JSON"
+        if err.get("type") == "json_invalid":  # its location is a character offset, not a field
+            text, path = f"the request body is not valid JSON (at character {path.strip('[]') or 0})", ""
         elif err.get("type") == "missing":
             text = f"{path or 'body'}: field required"
         else:
