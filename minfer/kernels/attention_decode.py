@@ -111,6 +111,7 @@ def decode_attention(
     assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
     assert page_table.stride(-1) == 1
     group = num_heads // num_kv_heads
+    fp8_pool = k_pool.element_size() == 1
     block_n = FP8_BLOCK_N if k_scale is not None else BLOCK_N
     if num_splits is None:
         longest = min(page_table.shape[1], window or page_table.shape[1])
@@ -165,12 +166,12 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         WINDOW=window or 0,
-        PREFETCH=attention_chained(batch),
+        PREFETCH=attention_chained(batch, fp8_pool),
         LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_pool.element_size(), CACHE_LINE)),
         LINE_ELEMENTS=CACHE_LINE // k_pool.element_size(),
         V_PTX_WIDEN=widen,
         **launch,
-        **attention_pdl_args(q.device, batch),
+        **attention_pdl_args(q.device, batch, fp8_pool),
     )
     if num_splits > 1:
         merge_splits(out, part_out, part_lse)

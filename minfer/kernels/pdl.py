@@ -91,30 +91,37 @@ def _pdl_args(device: torch.device, few_rows: bool) -> types.MappingProxyType:
     )
 
 
-# MINFER_CHAIN_ATTENTION: "bands" (the default) chains decode attention where CHAIN_BANDS says,
-# like every other kernel, and launches rope_store without PDL; "all" chains both at every batch
-# size, so the attention launch reads its lengths, page-table rows and first key slots while
-# rope_store runs, and rope_store its positions and cos/sin rows while the qkv product runs (an
-# A/B setting, docs/PERFORMANCE.md section 41).
-_CHAIN_ATTENTION = os.environ.get("MINFER_CHAIN_ATTENTION", "bands")
-if _CHAIN_ATTENTION not in ("bands", "all"):
-    raise ValueError(f"MINFER_CHAIN_ATTENTION={_CHAIN_ATTENTION!r}: expected bands or all")
+# MINFER_CHAIN_ATTENTION: "bands" chains decode attention where CHAIN_BANDS says, like every other
+# kernel, and launches rope_store without PDL; "all" chains both at every batch size, so the
+# attention launch reads its lengths, page-table rows and first key slots while rope_store runs,
+# and rope_store its positions and cos/sin rows while the qkv product runs. "auto" (the default)
+# is "all" over an fp8 pool and "bands" over the others: measured (H100, docs/PERFORMANCE.md
+# section 43), "all" took the fp8 workload 1.1% faster in every batch band, and left bf16 where
+# it was (2-31 running faster, 32-127 slower).
+_CHAIN_ATTENTION = os.environ.get("MINFER_CHAIN_ATTENTION", "auto")
+if _CHAIN_ATTENTION not in ("auto", "bands", "all"):
+    raise ValueError(f"MINFER_CHAIN_ATTENTION={_CHAIN_ATTENTION!r}: expected auto, bands or all")
 _NO_PDL = types.MappingProxyType({"PDL_RELEASE": False, "PDL_WAIT": False})
 
 
-def attention_chained(rows: int) -> bool:
-    """Whether decode attention over `rows` requests is a chained launch."""
-    return _CHAIN_ATTENTION == "all" or chained_rows(rows)
+def _chain_every_size(fp8_pool: bool) -> bool:
+    return _CHAIN_ATTENTION == "all" or (_CHAIN_ATTENTION == "auto" and fp8_pool)
 
 
-def attention_pdl_args(device: torch.device, rows: int) -> types.MappingProxyType:
+def attention_chained(rows: int, fp8_pool: bool) -> bool:
+    """Whether decode attention over `rows` requests is a chained launch (fp8_pool: the K/V it
+    reads are one byte a value)."""
+    return _chain_every_size(fp8_pool) or chained_rows(rows)
+
+
+def attention_pdl_args(device: torch.device, rows: int, fp8_pool: bool) -> types.MappingProxyType:
     """pdl_args for decode attention (see MINFER_CHAIN_ATTENTION)."""
-    return _pdl_args(device, attention_chained(rows))
+    return _pdl_args(device, attention_chained(rows, fp8_pool))
 
 
-def rope_store_pdl_args(device: torch.device) -> types.MappingProxyType:
-    """rope_store's PDL arguments: chained under MINFER_CHAIN_ATTENTION=all, none otherwise."""
-    return _pdl_args(device, True) if _CHAIN_ATTENTION == "all" else _NO_PDL
+def rope_store_pdl_args(device: torch.device, fp8_pool: bool) -> types.MappingProxyType:
+    """rope_store's PDL arguments: chained where attention is chained at every size, else none."""
+    return _pdl_args(device, True) if _chain_every_size(fp8_pool) else _NO_PDL
 
 
 def reset_pdl_choice() -> None:

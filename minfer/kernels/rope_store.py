@@ -197,7 +197,7 @@ def rope_store(
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
-        **rope_store_pdl_args(q.device),
+        **rope_store_pdl_args(q.device, k_pool.element_size() == 1),
     )
     return q
 
