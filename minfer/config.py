@@ -61,6 +61,13 @@ class EngineConfig:
         "chat template used instead of the tokenizer's: a Jinja file, or the template itself "
         "(a string containing {{ or {%%) (default: the tokenizer's)",
     )
+    generation_config: str = _opt(
+        "auto",
+        "sampling defaults for requests that leave a field unset: auto = the model folder's "
+        "generation_config.json (its maker's temperature, top_p, top_k, min_p, repetition_penalty), "
+        "none = minfer's own (temperature 1, no truncation), or a folder with a generation_config.json; "
+        "the end-of-turn token ids the model folder's file names apply either way (default: auto)",
+    )
     quantization: str | None = _opt(
         None,
         "low-bit weights for CPU decode: gguf = a .gguf file's Q4_0/Q4_1 blocks as they are, int4 / int8 = "

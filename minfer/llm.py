@@ -100,14 +100,18 @@ class LLM:
         ]
         return self.generate_ids(prompts, sampling_params, use_tqdm)
 
-    @staticmethod
+    def default_sampling_params(self) -> SamplingParams:
+        """What a prompt without SamplingParams gets: the model's generation_config.json sampling
+        values (vLLM's `get_default_sampling_params`), else SamplingParams' defaults."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def _param_list(
-        count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+        self, count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None
     ) -> list[SamplingParams]:
         """One SamplingParams per prompt (the default's, or one given for all), each validated:
         all or nothing, before any prompt is tokenized or queued."""
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * count
         else:

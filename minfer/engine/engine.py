@@ -33,6 +33,7 @@ from minfer.kvcache.host_pool import HostKVPool, host_available_bytes
 from minfer.kvcache.page_table import PageTable, runs_of_positions
 from minfer.kvcache.pool import KVPool
 from minfer.layers.rotary import context_length
+from minfer.models.generation_config import generation_settings
 from minfer.models.llama import head_dim_of
 from minfer.models.loader import (
     build_model,
@@ -175,7 +176,9 @@ class Engine:
             config.quantization,
         )
         self.tokenizer = load_tokenizer(self.source) if tp.rank == 0 else None
-        self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
+        # generation_config.json: more end-of-turn ids, and the sampling defaults the api applies
+        more_eos, self.sampling_defaults = generation_settings(self.source.path, config.generation_config)
+        self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer) | more_eos
         low_bit = getattr(self.model, "quantized", False)
         self.backend = make_attention_backend(config.attention_backend, self.device, low_bit)
 

@@ -7,7 +7,7 @@ A model name resolves to one of:
   - a .gguf file: config, weights and tokenizer all come from the file
   - a Hugging Face model id (`Qwen/Qwen2.5-0.5B-Instruct`): downloaded, or found in the hub's
     cache offline (models/hub.py), then read as a directory
-`--tokenizer` and `--chat-template` ride on the ModelSource, so every process that loads the
+`--tokenizer` and `--chat-template` ride on the ModelSource (`--generation-config` is checked here), so every process that loads the
 tokenizer (the engine, the tokenizer and detokenizer workers) applies them alike.
 
 Kept apart from loader.py (which builds models and reads weights, with torch) so that the api
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minfer.config import ConfigError, EngineConfig, ModelNotFoundError
+from minfer.models.generation_config import FILE_NAME as GENERATION_FILE
 from minfer.models.hub import download_model, looks_like_repo_id
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
@@ -53,6 +54,11 @@ def model_source(config: EngineConfig) -> ModelSource:
     source = resolve_model(config.model, config.load_format, config.revision, config.download_dir)
     if config.tokenizer is not None and not os.path.isdir(config.tokenizer):
         raise ModelNotFoundError(f"--tokenizer {config.tokenizer!r} is not a directory")
+    choice = config.generation_config
+    if choice not in ("auto", "none") and not os.path.isfile(os.path.join(choice, GENERATION_FILE)):
+        raise ModelNotFoundError(
+            f"--generation-config {choice!r}: expected auto, none, or a folder with a {GENERATION_FILE}"
+        )
     source.tokenizer_path = config.tokenizer
     source.chat_template = read_chat_template(config.chat_template)
     return source

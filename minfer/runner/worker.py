@@ -109,6 +109,7 @@ class SchedulerLoop:
             "max_running_requests": engine.max_running_requests,
             "max_request_tokens": self.runner.max_request_tokens,
             "eos_token_ids": sorted(engine.eos_token_ids),
+            "sampling_defaults": engine.sampling_defaults,
             "memory": engine.memory.as_dict(),
             "memory_line": engine.memory.describe(engine.max_model_len),
         }

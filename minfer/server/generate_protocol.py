@@ -47,10 +47,11 @@ class GenerateSamplingParams(Body):
 
     max_new_tokens: Int | None = 128
     min_new_tokens: Int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: Int = -1
-    min_p: float = 0.0
+    # None: the model's generation_config.json default, else SGLang's (1.0, 1.0, -1, 0.0, 1.0)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int | None = None
+    min_p: float | None = None
     stop: Stop | None = None
     stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
@@ -60,7 +61,7 @@ class GenerateSamplingParams(Body):
     seed: Int | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: LogitBias | None = None
     json_schema: str | None = None  # a JSON schema as a string
     regex: str | None = None
@@ -99,7 +100,8 @@ class GenerateRequestBody(Body):
         engine draws one token, which the answer leaves out (driver.without_drawn_tokens)."""
         return self.sampling_params.max_new_tokens == 0
 
-    def params(self) -> tuple[SamplingParams, bool]:
+    def params(self, defaults: dict) -> tuple[SamplingParams, bool]:
+        """The request's SamplingParams; `defaults`: the model's for fields it leaves unset."""
         sp = self.sampling_params
         refuse_unsupported(sp.model_extra, UNSUPPORTED_SAMPLING_PARAMS, "sampling_params.")
         if self.prompt_only and sp.min_new_tokens:
@@ -130,6 +132,7 @@ class GenerateRequestBody(Body):
                 "prompt_logprobs": prompt_logprobs,
                 "structured_output": sp.structured_output(),
             },
+            defaults,
             lambda name: f"sampling_params.{SGLANG_NAMES.get(name, name)}",
         )
 

@@ -31,6 +31,7 @@ from minfer.ipc import messages as m
 from minfer.ipc.ipc_dir import IpcDir
 from minfer.ipc.process import dead_workers
 from minfer.ipc.sockets import Endpoints, inbox, outbox, recv_ready, send
+from minfer.models.generation_config import describe_defaults
 from minfer.observability.metrics import ServerMetrics
 from minfer.observability.trace import NULL_TRACER, RequestTracer
 from minfer.runner.ranks import rendezvous_socket, run_follower_rank, run_worker_node
@@ -274,6 +275,13 @@ async def _watch(server, state, workers: Workers, memory_line: str) -> None:
             flush=True,
         )
         print(f"minfer: {memory_line}", flush=True)
+        defaults = state.scheduler_info.get("sampling_defaults")
+        if defaults:  # a user who expects OpenAI's temperature 1 should know why answers differ
+            print(
+                f"minfer: requests that leave them unset get generation_config.json's "
+                f"{describe_defaults(defaults)} (--generation-config none: minfer's own)",
+                flush=True,
+            )
     while not server.should_exit:
         dead = workers.dead()
         if dead:

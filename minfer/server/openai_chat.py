@@ -162,7 +162,7 @@ def chat_job(body: ChatCompletionRequest, state: ServerState, rid: str, prompt_p
     """The Job of a chat request, and its ToolPlan (None without tools): the tools go into the
     template's input, and a forced call becomes the output's grammar."""
     body.check_supported()
-    params, auto = body.sampling_params()
+    params, auto = body.sampling_params(state.sampling_defaults)
     template = state.tokenizer_info.get("chat_template")
     # before the tool plan, which merges its tools prompt into a leading system message
     messages, tools = developer_as_system(template, body.template_messages()), None

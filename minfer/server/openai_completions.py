@@ -96,7 +96,7 @@ class CompletionShape:
 async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(server_state)):
     state.check_model(body.model)
     body.check_supported()
-    params, auto = body.sampling_params()
+    params, auto = body.sampling_params(state.sampling_defaults)
     rid = f"cmpl-{uuid.uuid4().hex}"
     job = Job(
         rid,

@@ -58,11 +58,14 @@ def token_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def to_sampling_params(fields: dict, param_name: Callable[[str], str] = str) -> tuple[SamplingParams, bool]:
-    """SamplingParams from `fields` in SamplingParams' own names (None keeps the default), and
-    whether max_tokens was left open (the scheduler then fills the context). A value out of range
-    is a 400 naming the field as the body spells it (`param_name`)."""
-    fields = {name: value for name, value in fields.items() if value is not None}
+def to_sampling_params(
+    fields: dict, defaults: dict, param_name: Callable[[str], str] = str
+) -> tuple[SamplingParams, bool]:
+    """SamplingParams from `fields` in SamplingParams' own names (None keeps the model's default
+    from `defaults`, else SamplingParams'), and whether max_tokens was left open (the scheduler
+    then fills the context). A value out of range is a 400 naming the field as the body spells
+    it (`param_name`)."""
+    fields = {**defaults, **{name: value for name, value in fields.items() if value is not None}}
     auto = "max_tokens" not in fields
     if auto:  # a placeholder the scheduler replaces; it must pass validation meanwhile
         fields["max_tokens"] = max(1, fields.get("min_tokens", 0))
@@ -122,7 +125,8 @@ class OpenAISamplingFields(ConstraintFields):
         """(logprobs, prompt_logprobs) of SamplingParams: top-k of each, None for none."""
         return None, None
 
-    def sampling_params(self) -> tuple[SamplingParams, bool]:
+    def sampling_params(self, defaults: dict) -> tuple[SamplingParams, bool]:
+        """The request's SamplingParams; `defaults`: the model's for fields it leaves unset."""
         refuse_unsupported(self.model_extra, UNSUPPORTED_FIELDS)
         if self.prompt_logprobs is not None and self.stream:
             raise APIError(400, "prompt_logprobs is not available with stream", "prompt_logprobs")
@@ -151,7 +155,8 @@ class OpenAISamplingFields(ConstraintFields):
                 "logprobs": logprobs,
                 "prompt_logprobs": prompt_logprobs,
                 "structured_output": self.structured_output(),
-            }
+            },
+            defaults,
         )
 
     @property

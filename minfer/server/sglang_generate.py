@@ -81,7 +81,7 @@ class GenerateShape:
 @router.post("/generate")
 async def generate(body: GenerateRequestBody, request: Request, state: ServerState = Depends(server_state)):
     prompts, batched = body.prompts()
-    params, auto = body.params()
+    params, auto = body.params(state.sampling_defaults)
     rid = body.rid or uuid.uuid4().hex
     job = Job(
         rid,

@@ -32,6 +32,11 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.scheduler_info["max_model_len"]
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's generation_config.json sampling values, for fields a request leaves unset."""
+        return self.scheduler_info.get("sampling_defaults", {})
+
     def alive(self) -> bool:
         return self.healthy and all(p.is_alive() for p in self.workers.values())
 
