@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 FILE_NAME = "generation_config.json"
 # The fields a request may leave unset that the file can fill, in SamplingParams' names.
+OWN_DEFAULTS = ("none", "vllm")  # --generation-config values that keep minfer's own defaults
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -85,5 +86,6 @@ def generation_settings(model_folder: str | None, choice: str) -> tuple[set[int]
     and of a folder given instead; the sampling defaults of the model folder's file (auto), of
     the given folder's, or none."""
     own = read_generation_config(model_folder)
-    chosen = own if choice == "auto" else {} if choice == "none" else read_generation_config(choice)
+    # "vllm" is vLLM's spelling of none (its own defaults), so its command lines run unchanged
+    chosen = own if choice == "auto" else {} if choice in OWN_DEFAULTS else read_generation_config(choice)
     return generation_eos_ids(own) | generation_eos_ids(chosen), sampling_defaults(chosen)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from minfer.config import ConfigError, EngineConfig, ModelNotFoundError
 from minfer.models.generation_config import FILE_NAME as GENERATION_FILE
+from minfer.models.generation_config import OWN_DEFAULTS
 from minfer.models.hub import download_model, looks_like_repo_id
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
@@ -55,7 +56,11 @@ def model_source(config: EngineConfig) -> ModelSource:
     if config.tokenizer is not None and not os.path.isdir(config.tokenizer):
         raise ModelNotFoundError(f"--tokenizer {config.tokenizer!r} is not a directory")
     choice = config.generation_config
-    if choice not in ("auto", "none") and not os.path.isfile(os.path.join(choice, GENERATION_FILE)):
+    if (
+        choice != "auto"
+        and choice not in OWN_DEFAULTS
+        and not os.path.isfile(os.path.join(choice, GENERATION_FILE))
+    ):
         raise ModelNotFoundError(
             f"--generation-config {choice!r}: expected auto, none, or a folder with a {GENERATION_FILE}"
         )

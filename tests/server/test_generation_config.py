@@ -45,6 +45,7 @@ def test_the_file_read_as_a_maker_means_it(tmp_path):
     write_generation_config(other, eos_token_id=9, top_k=3)
     assert generation_settings(str(tmp_path), "auto") == ({2, 7}, {"temperature": 0.5})
     assert generation_settings(str(tmp_path), "none") == ({2, 7}, {})  # the turn still ends at 7
+    assert generation_settings(str(tmp_path), "vllm") == ({2, 7}, {})  # vLLM's spelling of none
     assert generation_settings(str(tmp_path), str(other)) == ({2, 7, 9}, {"top_k": 3})
     assert generation_settings(str(tmp_path / "model.gguf"), "auto") == (set(), {})
 
