@@ -232,6 +232,9 @@ class Req:
     # a match at admission, or the prompt handed over when its pass is launched. The request
     # owns only the pages after them, and must never free these.
     shared_len: int = 0
+    # Prompt tokens the prefix cache held when the request was admitted (the last admission before
+    # its first token): OpenAI's usage.prompt_tokens_details.cached_tokens.
+    prefix_hit: int = 0
     preempted: bool = False  # sent back to the queue; its next admission is a resume
     # Prompt logprobs by position (entry p scores token p + 1), filled chunk by chunk during
     # prefill when params.prompt_logprobs is set, sent with the first token.
@@ -300,3 +303,4 @@ class RequestOutput:
     finish_reason: str
     logprobs: TokenLogprobs | None = None  # of token_ids, when params.logprobs was set
     prompt_logprobs: TokenLogprobs | None = None  # of prompt_token_ids, when params.prompt_logprobs was set
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's name)

@@ -199,6 +199,7 @@ class LLM:
                 r.finish_reason,
                 logprobs.get(r.uid),
                 prompt_logprobs.get(r.uid),
+                r.prefix_hit,
             )
             for r in reqs
         ]

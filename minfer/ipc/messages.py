@@ -116,6 +116,8 @@ class TokenOutputs(Message):
     # uid -> logprobs of its token in this message / of its prompt (with the first token only).
     logprobs: dict[int, TokenLogprobs] = msgspec.field(default_factory=dict)
     prompt_logprobs: dict[int, TokenLogprobs] = msgspec.field(default_factory=dict)
+    # uid -> prompt tokens found in the prefix cache, of the requests whose first token is here.
+    cached_tokens: dict[int, int] = msgspec.field(default_factory=dict)
 
 
 class RequestFailed(Message):
@@ -169,6 +171,7 @@ class Reply(msgspec.Struct, array_like=True):
     logprobs: TokenLogprobs | None = None  # of token_ids, with token strings
     prompt_logprobs: TokenLogprobs | None = None  # with the first reply, when asked for
     prompt_text: str | None = None  # with the first reply, when echo was asked for
+    cached_tokens: int | None = None  # with the first reply: prompt tokens the prefix cache held
 
 
 class ReplyBatch(Message):

@@ -86,6 +86,8 @@ class KVManager:
         req.cache_handle = match.handle
         req.cached_len = len(match.slots)
         req.shared_len = len(match.slots) if match.handle is not None else 0
+        if not req.output_len:  # a resume after the first token keeps what the client was told
+            req.prefix_hit = req.cached_len
         if match.load is not None:
             self.loads[req.uid] = match.load
         if match.slots:

@@ -94,6 +94,7 @@ class SchedulerLoop:
                 first_token_timings=timings,
                 logprobs={o.uid: o.logprobs for o in outputs if o.logprobs is not None},
                 prompt_logprobs={o.uid: o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None},
+                cached_tokens={o.uid: o.cached_tokens for o in outputs if o.cached_tokens is not None},
             )
         )
 

@@ -23,6 +23,7 @@ class StepOutput:
     stop_reason: int | str | None = None
     logprobs: TokenLogprobs | None = None  # of token_id, when the request asked
     prompt_logprobs: TokenLogprobs | None = None  # with the first token, when the request asked
+    cached_tokens: int | None = None  # with the first token: prompt tokens found in the prefix cache
 
 
 def read_results(
@@ -74,8 +75,10 @@ def read_results(
             out.logprobs = TokenLogprobs(
                 [token], [row.logprob], [row.top_ids[:k]], [row.top_logprobs[:k]], ranks=[row.rank]
             )
-        if req.output_len == 1 and req.params.prompt_logprobs is not None:
-            out.prompt_logprobs = prompt_logprobs_of(req)
+        if req.output_len == 1:
+            out.cached_tokens = req.prefix_hit
+            if req.params.prompt_logprobs is not None:
+                out.prompt_logprobs = prompt_logprobs_of(req)
         outputs.append(out)
     return outputs, ending
 

@@ -268,4 +268,5 @@ def merge_replies(first: m.Reply, later: m.Reply) -> m.Reply:
         logprobs=logprobs,
         prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else later.prompt_logprobs,
         prompt_text=first.prompt_text if first.prompt_text is not None else later.prompt_text,
+        cached_tokens=first.cached_tokens if first.cached_tokens is not None else later.cached_tokens,
     )

@@ -55,6 +55,7 @@ class Choice:
     logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)  # of token_ids, when asked for
     prompt_logprobs: TokenLogprobs | None = None
     prompt_text: str = ""  # with echo
+    cached_tokens: int = 0  # prompt tokens the prefix cache held, sent with the first token
 
     def add(self, reply: m.Reply, abort_reason: str | None = None) -> None:
         if reply.logprobs is not None:
@@ -73,6 +74,8 @@ class Choice:
             self.stop_reason = abort_reason
         if self.first_token_time is None and reply.token_ids:
             self.first_token_time = time.monotonic()
+        if reply.cached_tokens is not None:
+            self.cached_tokens = reply.cached_tokens
         if reply.queue_s is not None:
             self.queue_s, self.prefill_s = reply.queue_s, reply.prefill_s
         if reply.finish_reason is not None:
@@ -82,8 +85,14 @@ class Choice:
 def usage(choices: dict[int, Choice], n: int) -> dict:
     """Usage over all choices; each prompt counts once although n choices share it."""
     prompt = sum(c.prompt_tokens for i, c in choices.items() if i % n == 0)
+    cached = sum(c.cached_tokens for i, c in choices.items() if i % n == 0)
     completion = sum(c.completion_tokens for c in choices.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},  # OpenAI's: prefix-cache hits
+    }
 
 
 def without_drawn_tokens(reply: m.Reply) -> m.Reply:

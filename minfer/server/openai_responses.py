@@ -69,7 +69,7 @@ class ResponsesShape:
         if c is not None:
             usage = {
                 "input_tokens": c.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": c.cached_tokens},
                 "output_tokens": c.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": c.prompt_tokens + c.completion_tokens,

@@ -43,6 +43,7 @@ class GenerateShape:
             "id": self.rid if not self.batched else f"{self.rid}-{index}",
             "prompt_tokens": c.prompt_tokens,
             "completion_tokens": c.completion_tokens,
+            "cached_tokens": c.cached_tokens,  # SGLang's: prompt tokens the prefix cache held
             "finish_reason": reason,
             "e2e_latency": timings["e2e_s"],
             "timings": timings,

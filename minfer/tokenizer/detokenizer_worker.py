@@ -128,6 +128,7 @@ class DetokenizerWorker:
                     stop_reason,
                     queue_s,
                     prefill_s,
+                    cached_tokens=out.cached_tokens.get(uid),
                 )
                 if uid in out.logprobs:
                     reply.logprobs = self.with_token_strings(out.logprobs[uid])

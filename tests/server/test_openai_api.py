@@ -602,3 +602,34 @@ def test_still_healthy_after_everything(server, client):
     out = client.completions.create(model="tiny", prompt="still there?", max_tokens=3)
     assert out.usage.completion_tokens == 3
     assert_kv_all_free(server.wait_idle())
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(server, client, offline):
+    """usage.prompt_tokens_details.cached_tokens (Responses: input_tokens_details; /generate:
+    meta_info.cached_tokens; offline: num_cached_tokens): 0 for a prompt never seen, then all
+    but the one token a pass must compute (pages of one token on the CPU)."""
+    prompt = "The cache test: " + " ".join(f"w{i}" for i in range(40))
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=3)
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=3)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == n - 1
+    # the chat form's prompt: at most the template's head (its system prompt) from earlier chats
+    messages = [{"role": "user", "content": prompt + " (chat)"}]
+    chats = [client.chat.completions.create(model="tiny", messages=messages, max_tokens=2) for _ in range(2)]
+    n_chat = chats[0].usage.prompt_tokens
+    assert chats[0].usage.prompt_tokens_details.cached_tokens < n - 1
+    assert chats[1].usage.prompt_tokens_details.cached_tokens == n_chat - 1
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2, stream=True, stream_options={"include_usage": True}
+    )
+    assert list(stream)[-1].usage.prompt_tokens_details.cached_tokens == n_chat - 1
+    response = client.responses.create(model="tiny", input=messages, max_output_tokens=2)
+    assert response.usage.input_tokens_details.cached_tokens == n_chat - 1
+    ids = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    generated = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}).json()
+    assert generated["meta_info"]["cached_tokens"] == len(ids) - 1
+    outs = offline.generate([prompt + " (offline)"] * 2, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert outs[0].num_cached_tokens == 0  # the first admitted; its twin may or may not hit it
+    again = offline.generate([prompt + " (offline)"], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert again.num_cached_tokens == len(again.prompt_token_ids) - 1
