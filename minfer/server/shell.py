@@ -18,14 +18,14 @@ HELP = "Type a message and press Enter; /help lists the commands."
 COMMANDS = """\
   /help      this list
   /reset     clear the conversation
-  /temp T    sampling temperature (0 = greedy; default 0.7)
+  /temp T    sampling temperature (0 = greedy; default: the model's generation_config.json, else 0.7)
   /exit      quit (also /quit, Ctrl-D)
 Arrow keys edit the line and walk the history (kept in $MINFER_SHELL_HISTORY, default ~/.minfer_shell_history);
 Ctrl-C stops a reply."""
 HISTORY_LENGTH = 1000
-# A chat in a terminal wants some variety but stays on topic.
-DEFAULT_TEMPERATURE = 0.7
-TOP_P = 0.9
+# A chat in a terminal wants some variety but stays on topic; a model's generation_config.json
+# values, where it has them, come first (the maker tuned them for its chats).
+DEFAULT_SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 MAX_REPLY_TOKENS = 1024
 
 
@@ -107,7 +107,7 @@ def run_shell(engine_cfg: EngineConfig) -> int:
     print(f"minfer shell — {llm.engine.source.name}, context {llm.engine.max_model_len} tokens. {HELP}")
     enable_line_editing()
     history: list[dict] = []
-    temperature = DEFAULT_TEMPERATURE
+    sampling = {**DEFAULT_SAMPLING, **llm.engine.sampling_defaults}
     while True:
         try:
             line = input(">>> ")
@@ -133,6 +133,7 @@ def run_shell(engine_cfg: EngineConfig) -> int:
             try:
                 temperature = float(command.split()[1])
                 SamplingParams(temperature=temperature).validate()
+                sampling["temperature"] = temperature
                 print(f"(temperature {temperature})")
             except (IndexError, ValueError) as e:
                 print(f"usage: /temp T with T >= 0 ({e})")
@@ -144,9 +145,7 @@ def run_shell(engine_cfg: EngineConfig) -> int:
         try:
             ids = fit_history(llm, history)
             room = llm.engine.max_model_len - len(ids)
-            params = SamplingParams(
-                temperature=temperature, top_p=TOP_P, max_tokens=max(1, min(MAX_REPLY_TOKENS, room))
-            )
+            params = SamplingParams(**sampling, max_tokens=max(1, min(MAX_REPLY_TOKENS, room)))
             reply = stream_reply(llm, ids, params)
         except InvalidRequestError as e:
             print(f"error: {e}")
