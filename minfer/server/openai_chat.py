@@ -13,7 +13,7 @@ from minfer.server.driver import Choice, Driver, Job, usage
 from minfer.server.errors import ERROR_RESPONSES
 from minfer.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from minfer.server.protocol import ChatCompletionRequest
-from minfer.server.reasoning import ReasoningStream, split_reasoning
+from minfer.server.reasoning import ReasoningStream, reasoning_tokens, split_reasoning
 from minfer.server.state import ServerState, server_state
 from minfer.server.tool_calls import ToolPlan, finish_reason, message, tool_plan
 from minfer.server.tool_stream import ToolCallStream
@@ -33,14 +33,28 @@ class ChatShape:
         model: str,
         plan: ToolPlan | None = None,
         reasoning_parser: str | None = None,
+        reasoning_end_id: int | None = None,
     ):
         self.body = body
         self.plan = plan
         self.reasoning_parser = reasoning_parser
+        self.reasoning_end_id = reasoning_end_id  # the `</think>` token, for usage's reasoning_tokens
         self.base = {"id": rid, "created": int(time.time()), "model": model}
         self.chunk_base = {**self.base, "object": "chat.completion.chunk"}
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.reasoning_streams: dict[int, ReasoningStream] = {}
+
+    def usage(self, choices: dict[int, Choice]) -> dict:
+        """usage(), and with a reasoning parser OpenAI's completion_tokens_details.reasoning_tokens."""
+        out = usage(choices, self.body.n)
+        if self.reasoning_parser is not None:
+            counts = [
+                reasoning_tokens(self.reasoning_parser, c.text, c.token_ids, self.reasoning_end_id)
+                for c in choices.values()
+            ]
+            if None not in counts:
+                out["completion_tokens_details"] = {"reasoning_tokens": sum(counts)}
+        return out
 
     def message(self, c: Choice) -> tuple[dict, str | None]:
         reasoning, text = None, c.text
@@ -75,7 +89,7 @@ class ChatShape:
                 for i, c in sorted(choices.items())
                 for msg, reason in [self.message(c)]
             ],
-            "usage": usage(choices, self.body.n),
+            "usage": self.usage(choices),
         }
 
     def _chunk(self, index: int, delta: dict, finish_reason=None, stop_reason=None, logprobs=None) -> dict:
@@ -110,7 +124,7 @@ class ChatShape:
             chat_logprobs(reply.logprobs) if has_logprobs else None,
         )
         if self.body.continuous_usage:
-            c["usage"] = usage(choices, self.body.n)
+            c["usage"] = self.usage(choices)
         return c
 
     def split_chunks(self, index: int, reply: m.Reply, choices: dict[int, Choice]) -> list[dict]:
@@ -132,12 +146,12 @@ class ChatShape:
             reason = finish_reason(reply.finish_reason, tools.has_calls) if tools else reply.finish_reason
             out.append(self._chunk(index, {}, reason, choices[index].stop_reason))
         if self.body.continuous_usage and out:
-            out[-1]["usage"] = usage(choices, self.body.n)
+            out[-1]["usage"] = self.usage(choices)
         return out
 
     def closing(self, choices: dict[int, Choice]):
         if self.body.include_usage:
-            yield {**self.chunk_base, "choices": [], "usage": usage(choices, self.body.n)}
+            yield {**self.chunk_base, "choices": [], "usage": self.usage(choices)}
 
 
 def answer_deltas(
@@ -197,5 +211,12 @@ async def chat_completions(
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     job, plan = chat_job(body, state, rid)
     parser = state.server_config.reasoning_parser
-    shape = ChatShape(body, rid, state.model_name, plan, None if parser == "none" else parser)
+    shape = ChatShape(
+        body,
+        rid,
+        state.model_name,
+        plan,
+        None if parser == "none" else parser,
+        state.tokenizer_info.get("reasoning_end_id"),
+    )
     return await Driver(state, request, job).respond(shape, body.stream)

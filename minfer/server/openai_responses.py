@@ -21,7 +21,7 @@ from minfer.ipc import messages as m
 from minfer.server.driver import Choice, Driver
 from minfer.server.errors import ERROR_RESPONSES, APIError
 from minfer.server.openai_chat import answer_deltas, chat_job
-from minfer.server.reasoning import ReasoningStream, split_reasoning
+from minfer.server.reasoning import ReasoningStream, reasoning_tokens, split_reasoning
 from minfer.server.responses_protocol import NamedFunctionChoice, ResponsesRequest
 from minfer.server.state import ServerState, server_state
 from minfer.server.tool_calls import ToolPlan, message
@@ -42,8 +42,10 @@ class ResponsesShape:
         model: str,
         plan: ToolPlan | None,
         reasoning_parser: str | None,
+        reasoning_end_id: int | None = None,
     ):
         self.body, self.rid, self.model, self.plan = body, rid, model, plan
+        self.reasoning_end_id = reasoning_end_id  # the `</think>` token, for usage's reasoning_tokens
         self.created = int(time.time())
         self.parser = reasoning_parser
         self.splitter = ReasoningStream(reasoning_parser) if reasoning_parser else None
@@ -67,11 +69,14 @@ class ResponsesShape:
     def response(self, status: str, output: list[dict], c: Choice | None = None) -> dict:
         usage = None
         if c is not None:
+            reasoning = 0
+            if self.parser is not None:  # unknown (None) where `</think>` is not one token: 0
+                reasoning = reasoning_tokens(self.parser, c.text, c.token_ids, self.reasoning_end_id) or 0
             usage = {
                 "input_tokens": c.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": c.cached_tokens},
                 "output_tokens": c.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": c.prompt_tokens + c.completion_tokens,
             }
         body = self.body
@@ -238,7 +243,14 @@ async def responses(body: ResponsesRequest, request: Request, state: ServerState
         rid = f"resp_{uuid.uuid4().hex}"
         job, plan = chat_job(body.chat_request(), state, rid, prompt_param="input")
         parser = state.server_config.reasoning_parser
-        shape = ResponsesShape(body, rid, state.model_name, plan, None if parser == "none" else parser)
+        shape = ResponsesShape(
+            body,
+            rid,
+            state.model_name,
+            plan,
+            None if parser == "none" else parser,
+            state.tokenizer_info.get("reasoning_end_id"),
+        )
         return await Driver(state, request, job).respond(shape, body.stream)
     except ValidationError as e:  # a field the chat request checks further (a response format's schema)
         error = e.errors()[0]

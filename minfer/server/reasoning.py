@@ -83,3 +83,17 @@ def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
     pieces = stream.feed(text) + stream.finish()
     reasoning = "".join(t for kind, t in pieces if kind == "reasoning_content")
     return (reasoning if stream.reasoned else None), "".join(t for kind, t in pieces if kind == "content")
+
+
+def reasoning_tokens(parser: str, text: str, token_ids: list[int], end_id: int | None) -> int | None:
+    """How many of an answer's tokens are its reasoning (OpenAI's usage `reasoning_tokens`): up to
+    and including the `</think>` token; all of them while it has not come (cut short, or still
+    streaming); none without a reasoning part. None when `</think>` is in the text but is not
+    one token of this tokenizer (`end_id` None), so where the reasoning ends among the tokens
+    is not known."""
+    reasoning, _ = split_reasoning(parser, text)
+    if reasoning is None:
+        return 0
+    if end_id is not None and end_id in token_ids:
+        return token_ids.index(end_id) + 1
+    return len(token_ids) if END not in text else None

@@ -33,6 +33,13 @@ from minfer.tokenizer.intake import (
 log = logging.getLogger(__name__)
 
 
+def single_token_id(tokenizer, text: str) -> int | None:
+    """The id of the vocabulary entry spelt `text` (an added token such as `</think>`), if any."""
+    if tokenizer is None:
+        return None
+    return tokenizer.get_vocab().get(text)
+
+
 def tokenizer_info(tokenizer) -> dict:
     """What /tokenizer_info serves: the tokenizer_config.json fields a remote client needs."""
     if tokenizer is None:
@@ -175,7 +182,10 @@ def run_tokenizer_worker(config: EngineConfig, endpoints: Endpoints, parent_pid:
     worker = TokenizerWorker(
         tokenizer, lambda msg: send(to_scheduler, msg), lambda msg: send(to_api, msg), tracer
     )
-    send(to_api, m.WorkerReady(role="tokenizer", pid=os.getpid(), info=tokenizer_info(tokenizer)))
+    # the id of `</think>`, the reasoning parsers' end marker (server/reasoning.py), for counting
+    # an answer's reasoning tokens in the api process, which has no tokenizer
+    info = {**tokenizer_info(tokenizer), "reasoning_end_id": single_token_id(tokenizer, "</think>")}
+    send(to_api, m.WorkerReady(role="tokenizer", pid=os.getpid(), info=info))
     while parent_alive(parent_pid):
         for msg in recv_ready(sock, "tokenizer", timeout_ms=1000):
             worker.handle(msg)

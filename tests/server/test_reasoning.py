@@ -10,7 +10,7 @@ import pytest
 from server_harness import Server, parse_sse
 from tiny_models import tiny_model_with_tokenizer
 
-from minfer.server.reasoning import ReasoningStream, split_reasoning
+from minfer.server.reasoning import ReasoningStream, reasoning_tokens, split_reasoning
 
 CASES = {
     # text: (qwen3, deepseek_r1), each (reasoning_content, content)
@@ -133,3 +133,46 @@ def test_responses_put_the_reasoning_in_its_own_item(server):
     deltas = [e.type for e in events if e.type.endswith(".delta")]
     assert deltas == sorted(deltas, key=lambda t: t == "response.output_text.delta"), "reasoning first"
     assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+
+
+REASONING_TOKENS = {
+    # (parser, text, token ids): reasoning tokens, with `</think>` the token 9
+    ("qwen3", "<think>a b</think>c", (1, 2, 3, 9, 4)): 4,
+    ("qwen3", "<think>cut short", (1, 2, 3)): 3,  # still reasoning: every token so far
+    ("qwen3", "no thinking", (1, 2)): 0,
+    ("deepseek_r1", "all reasoning", (1, 2, 3)): 3,
+    ("deepseek_r1", "a</think>b", (1, 9, 2)): 2,
+    ("deepseek_r1", "a</think>b", (1, 5, 6, 7, 2)): None,  # the marker spelt in pieces: unknown
+}
+
+
+@pytest.mark.parametrize("case", sorted(REASONING_TOKENS))
+def test_reasoning_tokens_end_at_the_marker_token(case):
+    parser, text, ids = case
+    assert reasoning_tokens(parser, text, list(ids), 9) == REASONING_TOKENS[case]
+
+
+def test_usage_counts_the_reasoning_tokens(server):
+    """completion_tokens_details.reasoning_tokens (chat) and output_tokens_details (responses):
+    an answer without `</think>` under deepseek_r1 is reasoning throughout; with it, the tokens up
+    to the marker's token."""
+    import openai
+
+    schema = {"type": "string", "enum": ["no marker"]}
+    body = _body(response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": schema}})
+    usage = server.post("/v1/chat/completions", body).json()["usage"]
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": usage["completion_tokens"]}
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    response = client.responses.create(
+        model="tiny",
+        input="Capital of France?",
+        max_output_tokens=40,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "f", "schema": schema}},
+    )
+    assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens
+    whole = server.post("/v1/chat/completions", _body(logprobs=True)).json()
+    tokens = [t["token"] for t in whole["choices"][0]["logprobs"]["content"]]
+    # the grammar lets the model spell the marker either way; this one draws Qwen3's `</think>` token
+    assert "</think>" in tokens
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": tokens.index("</think>") + 1}
