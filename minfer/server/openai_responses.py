@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from minfer.ipc import messages as m
 from minfer.server.driver import Choice, Driver
 from minfer.server.errors import ERROR_RESPONSES, APIError
+from minfer.server.logprobs import chat_logprobs
 from minfer.server.openai_chat import answer_deltas, chat_job
 from minfer.server.reasoning import ReasoningStream, reasoning_tokens, split_reasoning
 from minfer.server.responses_protocol import NamedFunctionChoice, ResponsesRequest
@@ -52,9 +53,15 @@ class ResponsesShape:
         self.calls = ToolCallStream(plan) if plan is not None else None
         self.items: dict[str, dict] = {}  # streamed output items by key, in the order they opened
         self.sequence = 0
+        # with include message.output_text.logprobs: (position, entry) of the answer's tokens not
+        # yet sent (a stream sends them on its next output_text delta), and the message's whole list
+        self.pending_logprobs: list[tuple[int, dict]] = []
+        self.message_logprobs: list[dict] = []
 
     @staticmethod
-    def item(kind: str, text: str, status: str, item_id: str | None = None, **call) -> dict:
+    def item(
+        kind: str, text: str, status: str, item_id: str | None = None, logprobs: list | None = None, **call
+    ) -> dict:
         """An output item: kind "reasoning", "message", or "function_call" (`call`: its call_id
         and name; `text` its arguments)."""
         item_id = item_id or f"{ITEM_ID_PREFIX[kind]}_{uuid.uuid4().hex}"
@@ -63,7 +70,7 @@ class ResponsesShape:
         if kind == "reasoning":
             part = {"type": "reasoning_text", "text": text}
             return {"type": kind, "id": item_id, "summary": [], "content": [part], "status": status}
-        part = {"type": "output_text", "text": text, "annotations": []}
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
         return {"type": kind, "id": item_id, "status": status, "role": "assistant", "content": [part]}
 
     def response(self, status: str, output: list[dict], c: Choice | None = None) -> dict:
@@ -118,13 +125,40 @@ class ResponsesShape:
         calls = msg.get("tool_calls", [])
         output = [] if reasoning is None else [self.item("reasoning", reasoning, done)]
         if msg["content"] or not calls:
-            output.append(self.item("message", msg["content"] or "", done))
+            output.append(self.item("message", msg["content"] or "", done, logprobs=self.answer_logprobs(c)))
         for call in calls:
             fn = call["function"]
             output.append(
                 self.item("function_call", fn["arguments"], done, call_id=call["id"], name=fn["name"])
             )
         return self.response(status, output, c)
+
+    def reasoning_count(self, c: Choice) -> int:
+        """How many of the answer's first tokens are reasoning (0 where that is not known)."""
+        if self.parser is None:
+            return 0
+        return reasoning_tokens(self.parser, c.text, c.token_ids, self.reasoning_end_id) or 0
+
+    def answer_logprobs(self, c: Choice) -> list[dict]:
+        """The logprobs of the answer's tokens after its reasoning (with include
+        message.output_text.logprobs; with function calls their tokens are among them)."""
+        if not self.body.wants_logprobs:
+            return []
+        return chat_logprobs(c.logprobs)["content"][self.reasoning_count(c) :]
+
+    def stream_logprobs(self, reply: m.Reply, c: Choice, events: list[dict]) -> None:
+        """The reply's answer tokens' logprobs on the first output_text delta among `events`, or
+        held for a later one (text the stream holds back, a marker still undecided)."""
+        if self.body.wants_logprobs and reply.logprobs is not None:
+            first = len(c.token_ids) - len(reply.token_ids)
+            self.pending_logprobs += enumerate(chat_logprobs(reply.logprobs)["content"], first)
+        reasoning = self.reasoning_count(c)
+        self.pending_logprobs = [(p, e) for p, e in self.pending_logprobs if p >= reasoning]
+        for event in events:
+            if event["type"] == "response.output_text.delta" and self.pending_logprobs:
+                event["logprobs"] = [e for _, e in self.pending_logprobs]
+                self.pending_logprobs = []
+                break
 
     def event(self, kind: str, **fields) -> dict:
         self.sequence += 1
@@ -138,9 +172,18 @@ class ResponsesShape:
         done = reply.finish_reason is not None
         deltas = answer_deltas(reply.text, done, self.splitter, self.calls)
         out = [event for delta in deltas for event in self.delta_events(delta)]
+        self.stream_logprobs(reply, choices[index], out)
         if done:
+            self.message_logprobs = self.answer_logprobs(choices[index])
             if not self.items:  # an empty answer is still a message
                 out += self.open_item("message", "message")
+            if self.pending_logprobs and "message" in self.items:  # tokens without text (EOS)
+                where = self.where("message")
+                logprobs = [e for _, e in self.pending_logprobs]
+                event = self.event(
+                    "response.output_text.delta", **where, content_index=0, delta="", logprobs=logprobs
+                )
+                out.append(event)
             status = self.status(reply.finish_reason)
             final_status = "completed" if status == "completed" else "incomplete"
             for key in list(self.items):
@@ -190,7 +233,8 @@ class ResponsesShape:
 
     def whole_item(self, key: str, status: str) -> dict:
         record = self.items[key]
-        return self.item(record["kind"], record["text"], status, record["id"], **record["call"])
+        logprobs = self.message_logprobs if record["kind"] == "message" else None
+        return self.item(record["kind"], record["text"], status, record["id"], logprobs, **record["call"])
 
     def open_item(self, key: str, kind: str, **call) -> list[dict]:
         item = self.item(kind, "", "in_progress", **call)
@@ -199,7 +243,7 @@ class ResponsesShape:
             item["content"] = []
         out = [self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)]
         if kind == "message":
-            part = {"type": "output_text", "text": "", "annotations": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             out.append(
                 self.event("response.content_part.added", **self.where(key), content_index=0, part=part)
             )
@@ -213,9 +257,12 @@ class ResponsesShape:
         elif record["kind"] == "reasoning":
             out = [self.event("response.reasoning_text.done", **where, content_index=0, text=text)]
         else:
-            part = {"type": "output_text", "text": text, "annotations": []}
+            logprobs = self.message_logprobs
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
             out = [
-                self.event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
+                self.event(
+                    "response.output_text.done", **where, content_index=0, text=text, logprobs=logprobs
+                ),
                 self.event("response.content_part.done", **where, content_index=0, part=part),
             ]
         item = self.whole_item(key, status)

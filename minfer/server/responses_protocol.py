@@ -4,9 +4,10 @@ Stateless: the conversation comes whole in `input` -- messages (user / assistant
 developer, text or input_text / output_text parts), the function calls of earlier answers and
 their outputs -- and `instructions` becomes a system message first. Function `tools`,
 `tool_choice` and `parallel_tool_calls` become the chat request's; `max_output_tokens`,
-`temperature`, `top_p` and `text.format` (json_object, json_schema) likewise. Reasoning items of
-earlier answers are dropped (chat templates leave earlier reasoning out). Nothing is stored, so
-`previous_response_id` is refused.
+`temperature`, `top_p`, `text.format` (json_object, json_schema) and the logprobs `include`
+(with `top_logprobs`) likewise. Reasoning items of earlier answers are dropped (chat templates
+leave earlier reasoning out). Nothing is stored, so `previous_response_id`, `conversation`,
+`background` and stored `prompt` templates are refused.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pydantic import Field
 from minfer.server.body import Body, Int, Text
 from minfer.server.errors import APIError
 from minfer.server.protocol import ChatCompletionRequest
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class InputText(Body):
@@ -93,6 +96,19 @@ class ResponsesRequest(Body):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
+    # "message.output_text.logprobs" asks for the message's logprobs (top_logprobs alternatives
+    # each); the other values name content minfer does not make (images, tool results, encrypted
+    # reasoning) and are ignored
+    include: list[str] | None = None
+    top_logprobs: Int | None = None
+    # stateful or stored requests: refused, not ignored (below)
+    background: bool | None = None
+    conversation: str | dict | None = None
+    prompt: dict | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or [])
 
     def chat_request(self) -> ChatCompletionRequest:
         """The same request as a chat completion."""
@@ -100,16 +116,28 @@ class ResponsesRequest(Body):
             raise APIError(
                 400, "responses are not stored: send the whole conversation as input", "previous_response_id"
             )
+        if self.conversation is not None:
+            raise APIError(
+                400, "conversations are not stored: send the whole conversation as input", "conversation"
+            )
+        if self.background:
+            raise APIError(
+                400, "background responses need storage, which this server has none of", "background"
+            )
+        if self.prompt is not None:
+            raise APIError(400, "stored prompt templates are not available: send the input itself", "prompt")
         fields = {
             "model": self.model,
             "messages": self.chat_messages(),
             "stream": self.stream,
             "parallel_tool_calls": self.parallel_tool_calls,
+            "logprobs": self.wants_logprobs,
         }
         for name, value in (
             ("max_tokens", self.max_output_tokens),
             ("temperature", self.temperature),
             ("top_p", self.top_p),
+            ("top_logprobs", self.top_logprobs if self.wants_logprobs else None),
         ):
             if value is not None:
                 fields[name] = value

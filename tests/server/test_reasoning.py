@@ -176,3 +176,28 @@ def test_usage_counts_the_reasoning_tokens(server):
     # the grammar lets the model spell the marker either way; this one draws Qwen3's `</think>` token
     assert "</think>" in tokens
     assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": tokens.index("</think>") + 1}
+
+
+def test_responses_logprobs_are_the_message_tokens_after_the_reasoning(server):
+    """include message.output_text.logprobs under a reasoning parser: the message's logprobs are
+    those of the tokens after `</think>`, whole and streamed."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    schema = {"type": "string", "enum": [FORCED]}
+    kw = {
+        "model": "tiny",
+        "input": "Capital of France?",
+        "max_output_tokens": 40,
+        "temperature": 0,
+        "text": {"format": {"type": "json_schema", "name": "forced", "schema": schema}},
+        "include": ["message.output_text.logprobs"],
+    }
+    whole = client.responses.create(**kw)
+    tokens = [t.token for t in whole.output[1].content[0].logprobs]
+    assert "".join(tokens).startswith(whole.output_text) and "</think>" not in tokens
+    assert len(tokens) == whole.usage.output_tokens - whole.usage.output_tokens_details.reasoning_tokens
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+    streamed = [t.token for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert streamed == tokens

@@ -127,3 +127,37 @@ def test_raw_stream_framing(server):
     )
     assert events[-1]["type"] in ("response.completed", "response.incomplete")
     assert events[-1]["response"]["usage"]["output_tokens"] <= 3
+
+
+def test_include_logprobs_gives_the_message_its_tokens_logprobs(client):
+    """include ["message.output_text.logprobs"] with top_logprobs: the output_text part's logprobs
+    are the chat answer's, token for token; streamed, the deltas' logprobs join into them and
+    the done event carries them whole. Without include the list is empty."""
+    kw = {"model": "tiny", "temperature": 0, "max_output_tokens": 10, "input": CONVERSATION}
+    kw["instructions"] = "Be brief."
+    chat = client.chat.completions.create(
+        model="tiny", messages=AS_CHAT, temperature=0, max_tokens=10, logprobs=True, top_logprobs=2
+    )
+    want = [
+        (t.token, round(t.logprob, 4), [a.token for a in t.top_logprobs])
+        for t in chat.choices[0].logprobs.content
+    ]
+    whole = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw)
+    got = whole.output[0].content[0].logprobs
+    assert [(t.token, round(t.logprob, 4), [a.token for a in t.top_logprobs]) for t in got] == want
+    assert len(got) == whole.usage.output_tokens
+    assert client.responses.create(**kw).output[0].content[0].logprobs == []
+    with client.responses.stream(include=["message.output_text.logprobs"], top_logprobs=2, **kw) as stream:
+        events = list(stream)
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t, lp) for t, lp, _ in want]
+    assert [(t.token, round(t.logprob, 4)) for t in done.logprobs] == [(t, lp) for t, lp, _ in want]
+
+
+@pytest.mark.parametrize(
+    "field, value", [("background", True), ("conversation", "conv_1"), ("prompt", {"id": "pmpt_1"})]
+)
+def test_stored_state_is_refused_not_ignored(server, field, value):
+    raw = server.post("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2, field: value})
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == field, raw.text
