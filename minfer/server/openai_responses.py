@@ -5,7 +5,8 @@ the chat template, tools, grammars). The answer is a `response` whose output ite
 reasoning item (with a --reasoning-parser), the message (one output_text part) and function
 calls (with tools); streamed, OpenAI's event sequence: response.created, response.in_progress,
 then per item output_item.added, its deltas (reasoning_text, output_text or
-function_call_arguments) and done events, output_item.done, and finally response.completed
+function_call_arguments; output_text deltas carry their tokens' logprobs when `include` asks)
+and done events, output_item.done, and finally response.completed
 (response.incomplete at max_output_tokens, response.failed when aborted).
 """
 
