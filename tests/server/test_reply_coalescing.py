@@ -32,12 +32,14 @@ def lp(tokens):
 
 
 def test_merge_keeps_every_token_and_the_first_reply_fields():
-    first = reply(1, "Hel", [10], 1, logprobs=lp([10]), queue_s=0.1, prefill_s=0.2, prompt_text="p")
+    first = reply(
+        1, "Hel", [10], 1, logprobs=lp([10]), queue_s=0.1, prefill_s=0.2, prompt_text="p", cached_tokens=4
+    )
     later = reply(1, "lo", [11, 12], 3, finish="stop", logprobs=lp([11, 12]), stop_reason=12)
     merged = merge_replies(first, later)
     assert (merged.text, merged.token_ids, merged.completion_tokens) == ("Hello", [10, 11, 12], 3)
     assert (merged.finish_reason, merged.stop_reason) == ("stop", 12)
-    assert (merged.queue_s, merged.prefill_s, merged.prompt_text) == (0.1, 0.2, "p")
+    assert (merged.queue_s, merged.prefill_s, merged.prompt_text, merged.cached_tokens) == (0.1, 0.2, "p", 4)
     assert merged.logprobs.token_ids == [10, 11, 12]
     assert merged.logprobs.logprobs == [-5.0, -5.5, -6.0]
     assert first.logprobs.token_ids == [10]  # the inputs are not changed
