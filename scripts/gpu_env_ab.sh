@@ -6,7 +6,8 @@
 # root with the wheels of shared/gpu/README.md installed and PYTHONPATH=/tmp/site:$PWD:$PWD/tests.
 #   OLD="MINFER_GEMV_EPILOGUE=off" bash scripts/gpu_env_ab.sh
 #   OLD="MINFER_PDL=release MINFER_GEMV_PROLOGUE=off" TESTS=0 CHAINS=0 \
-#     OFFLINE="qwen3-0.6b llama-3.1-8b" ROUNDS="new old new" bash scripts/gpu_env_ab.sh
+#     OFFLINE="qwen3-0.6b,llama-3.1-8b,qwen3-0.6b --kv-cache-dtype fp8_e4m3" ROUNDS="new old new" \
+#     bash scripts/gpu_env_ab.sh
 set -uo pipefail
 OLD=${OLD:-MINFER_GEMV_EPILOGUE=off}
 TESTS=${TESTS:-1}
@@ -32,11 +33,13 @@ for setting in new old; do
     env $envs OMP_NUM_THREADS=1 timeout 90 python3 scripts/gpu_batch1_split.py "$model" 2>&1 | tail -1
   done
 done
-for model in $OFFLINE; do
+# OFFLINE: workloads separated by commas, each a model and its bench flags
+IFS=',' read -ra WORKLOADS <<< "$OFFLINE"
+for workload in "${WORKLOADS[@]}"; do
   for setting in $ROUNDS; do
     envs=$([ $setting = old ] && echo "$OLD" || echo "")
-    echo "== bench offline $model, $setting ${envs} =="
-    env $envs timeout 150 python3 -m minfer bench offline "$model" 2>&1 \
+    echo "== bench offline $workload, $setting ${envs} =="
+    env $envs timeout 150 python3 -m minfer bench offline $workload 2>&1 \
       | grep -E "^throughput|by batch|this run is at" | head -3
   done
 done
