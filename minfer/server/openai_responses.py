@@ -77,14 +77,11 @@ class ResponsesShape:
     def response(self, status: str, output: list[dict], c: Choice | None = None) -> dict:
         usage = None
         if c is not None:
-            reasoning = 0
-            if self.parser is not None:  # unknown (None) where `</think>` is not one token: 0
-                reasoning = reasoning_tokens(self.parser, c.text, c.token_ids, self.reasoning_end_id) or 0
             usage = {
                 "input_tokens": c.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": c.cached_tokens},
                 "output_tokens": c.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": reasoning},
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_count(c)},
                 "total_tokens": c.prompt_tokens + c.completion_tokens,
             }
         body = self.body
@@ -135,7 +132,8 @@ class ResponsesShape:
         return self.response(status, output, c)
 
     def reasoning_count(self, c: Choice) -> int:
-        """How many of the answer's first tokens are reasoning (0 where that is not known)."""
+        """How many of the answer's first tokens are reasoning (0 where that is not known: a
+        `</think>` spelt in pieces)."""
         if self.parser is None:
             return 0
         return reasoning_tokens(self.parser, c.text, c.token_ids, self.reasoning_end_id) or 0
@@ -150,7 +148,9 @@ class ResponsesShape:
     def stream_logprobs(self, reply: m.Reply, c: Choice, events: list[dict]) -> None:
         """The reply's answer tokens' logprobs on the first output_text delta among `events`, or
         held for a later one (text the stream holds back, a marker still undecided)."""
-        if self.body.wants_logprobs and reply.logprobs is not None:
+        if not self.body.wants_logprobs:
+            return
+        if reply.logprobs is not None:
             first = len(c.token_ids) - len(reply.token_ids)
             self.pending_logprobs += enumerate(chat_logprobs(reply.logprobs)["content"], first)
         reasoning = self.reasoning_count(c)
