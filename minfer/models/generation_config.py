@@ -21,8 +21,8 @@ import os
 log = logging.getLogger(__name__)
 
 FILE_NAME = "generation_config.json"
-# The fields a request may leave unset that the file can fill, in SamplingParams' names.
 OWN_DEFAULTS = ("none", "vllm")  # --generation-config values that keep minfer's own defaults
+# The fields a request may leave unset that the file can fill, in SamplingParams' names.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 

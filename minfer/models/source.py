@@ -7,8 +7,9 @@ A model name resolves to one of:
   - a .gguf file: config, weights and tokenizer all come from the file
   - a Hugging Face model id (`Qwen/Qwen2.5-0.5B-Instruct`): downloaded, or found in the hub's
     cache offline (models/hub.py), then read as a directory
-`--tokenizer` and `--chat-template` ride on the ModelSource (`--generation-config` is checked here), so every process that loads the
-tokenizer (the engine, the tokenizer and detokenizer workers) applies them alike.
+`--tokenizer` and `--chat-template` ride on the ModelSource, so every process that loads the
+tokenizer (the engine, the tokenizer and detokenizer workers) applies them alike;
+`--generation-config` is checked here, before anything loads.
 
 Kept apart from loader.py (which builds models and reads weights, with torch) so that the api
 server process, which checks the model before it starts the workers, never imports torch.
