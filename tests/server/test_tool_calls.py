@@ -8,6 +8,7 @@ template receiving the tools, and tool results sent back."""
 from __future__ import annotations
 
 import json
+import random
 
 import jsonschema
 import openai
@@ -118,6 +119,60 @@ def test_stream_of_a_malformed_call_ends_as_content():
     assert "".join(d["content"] for d in sent) == "ok <tool_call>{oops" and not stream.has_calls
 
 
+def joined_calls(deltas: list[dict]) -> list[tuple[str, object]]:
+    """(name, arguments parsed) per call index, as a client joins tool_calls deltas."""
+    calls: dict[int, list] = {}
+    for delta in deltas:
+        for part in delta.get("tool_calls", []):
+            call = calls.setdefault(part["index"], [None, ""])
+            call[0] = part["function"].get("name", call[0])
+            call[1] += part["function"].get("arguments", "")
+    return [(name, json.loads(arguments)) for name, arguments in calls.values()]
+
+
+REQUIRED_OUTPUT = (
+    '[ {"name": "get_weather", "arguments": {"city": "Pa\\"ris {x} \\\\", "n": [1, {"a": []}]}},\n'
+    ' {"name":"get_time","arguments":{}} ]'
+)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_required_calls_stream_as_generated_however_the_text_is_cut(seed):
+    """tool_choice required: each call's header as soon as its name is complete, its arguments as
+    written (brackets and quotes inside strings do not end them), whatever the pieces' sizes; at
+    the end nothing is sent twice."""
+    rng = random.Random(seed)
+    stream = ToolCallStream(ToolPlan("required", TOOLS, PARSERS["hermes"]))
+    deltas, pos, headers_at = [], 0, []
+    while pos < len(REQUIRED_OUTPUT):
+        n = rng.randint(1, 6)
+        deltas += stream.feed(REQUIRED_OUTPUT[pos : pos + n])
+        pos += n
+        headers_at += [pos for d in deltas[len(headers_at) :] if "id" in d["tool_calls"][0]]
+    assert stream.finish() == []
+    want = [(c["name"], c["arguments"]) for c in json.loads(REQUIRED_OUTPUT)]
+    assert joined_calls(deltas) == want and stream.has_calls
+    first_name_end = REQUIRED_OUTPUT.index('"get_weather"') + len('"get_weather"')
+    assert headers_at[0] < REQUIRED_OUTPUT.index("}}")  # the first call went out before it ended
+    assert first_name_end <= headers_at[0]
+
+
+def test_required_calls_in_an_unexpected_shape_go_out_whole_at_the_end():
+    """Keys in another order than the grammar's: nothing streams, the whole parse sends them."""
+    stream = ToolCallStream(ToolPlan("required", TOOLS, PARSERS["hermes"]))
+    text = '[{"arguments": {"zone": "UTC"}, "name": "get_time"}]'
+    assert stream.feed(text) == []
+    assert joined_calls(stream.finish()) == [("get_time", {"zone": "UTC"})]
+
+
+def test_a_required_call_cut_short_stands_as_streamed():
+    stream = ToolCallStream(ToolPlan("required", TOOLS, PARSERS["hermes"]))
+    sent = stream.feed('[{"name": "get_weather", "arguments": {"city": "Par')
+    assert stream.finish() == [] and stream.has_calls
+    assert sent[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in sent) == '{"city": "Par'
+
+
 # -- a real server with real chat templates ----------------------------------------------------
 @pytest.fixture(scope="module", params=["qwen3", "llama3"])
 def family(request, tmp_path_factory):
@@ -190,6 +245,13 @@ def test_required_is_a_valid_call_streaming_or_not(family):
     assert len(out.choices[0].message.tool_calls) == 1
     chunks = stream(srv, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    pieces = [
+        d.function.arguments
+        for c in chunks
+        for d in c.choices[0].delta.tool_calls or []
+        if d.function.arguments
+    ]
+    assert len(pieces) > 1  # the arguments streamed as generated, not whole at the end
     (call,) = streamed_calls(chunks).values()
     assert call == {**call, "name": out.choices[0].message.tool_calls[0].function.name}
     assert json.loads(call["arguments"]) == json.loads(
