@@ -210,13 +210,5 @@ async def chat_completions(
     state.check_model(body.model)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     job, plan = chat_job(body, state, rid)
-    parser = state.server_config.reasoning_parser
-    shape = ChatShape(
-        body,
-        rid,
-        state.model_name,
-        plan,
-        None if parser == "none" else parser,
-        state.tokenizer_info.get("reasoning_end_id"),
-    )
+    shape = ChatShape(body, rid, state.model_name, plan, *state.reasoning)
     return await Driver(state, request, job).respond(shape, body.stream)

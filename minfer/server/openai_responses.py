@@ -290,15 +290,7 @@ async def responses(body: ResponsesRequest, request: Request, state: ServerState
     try:
         rid = f"resp_{uuid.uuid4().hex}"
         job, plan = chat_job(body.chat_request(), state, rid, prompt_param="input")
-        parser = state.server_config.reasoning_parser
-        shape = ResponsesShape(
-            body,
-            rid,
-            state.model_name,
-            plan,
-            None if parser == "none" else parser,
-            state.tokenizer_info.get("reasoning_end_id"),
-        )
+        shape = ResponsesShape(body, rid, state.model_name, plan, *state.reasoning)
         return await Driver(state, request, job).respond(shape, body.stream)
     except ValidationError as e:  # a field the chat request checks further (a response format's schema)
         error = e.errors()[0]

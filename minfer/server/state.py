@@ -37,6 +37,13 @@ class ServerState:
         """The model's generation_config.json sampling values, for fields a request leaves unset."""
         return self.scheduler_info.get("sampling_defaults", {})
 
+    @property
+    def reasoning(self) -> tuple[str | None, int | None]:
+        """(--reasoning-parser, None for none; the `</think>` token's id, None where it is not
+        one token): how the chat and responses shapes split an answer and count its reasoning."""
+        parser = self.server_config.reasoning_parser
+        return (None if parser == "none" else parser), self.tokenizer_info.get("reasoning_end_id")
+
     def alive(self) -> bool:
         return self.healthy and all(p.is_alive() for p in self.workers.values())
 

@@ -110,19 +110,25 @@ def test_without_the_marker_deepseek_r1_reasons_throughout(server):
     assert (msg["reasoning_content"], msg["content"]) == ('"no marker"', "")
 
 
-def test_responses_put_the_reasoning_in_its_own_item(server):
-    """/v1/responses: a reasoning item (reasoning_text) before the message, streamed and whole."""
-    import openai
-
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+def forced_response(**extra) -> dict:
+    """responses.create's arguments for FORCED as the whole answer (greedy, held by its schema)."""
     schema = {"type": "string", "enum": [FORCED]}
-    kw = {
+    return {
         "model": "tiny",
         "input": "Capital of France?",
         "max_output_tokens": 40,
         "temperature": 0,
         "text": {"format": {"type": "json_schema", "name": "forced", "schema": schema}},
+        **extra,
     }
+
+
+def test_responses_put_the_reasoning_in_its_own_item(server):
+    """/v1/responses: a reasoning item (reasoning_text) before the message, streamed and whole."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    kw = forced_response()
     whole = client.responses.create(**kw)
     assert [item.type for item in whole.output] == ["reasoning", "message"]
     assert whole.output[0].content[0].text == '"weigh it' and whole.output_text == 'Paris"'
@@ -184,15 +190,7 @@ def test_responses_logprobs_are_the_message_tokens_after_the_reasoning(server):
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-    schema = {"type": "string", "enum": [FORCED]}
-    kw = {
-        "model": "tiny",
-        "input": "Capital of France?",
-        "max_output_tokens": 40,
-        "temperature": 0,
-        "text": {"format": {"type": "json_schema", "name": "forced", "schema": schema}},
-        "include": ["message.output_text.logprobs"],
-    }
+    kw = forced_response(include=["message.output_text.logprobs"])
     whole = client.responses.create(**kw)
     tokens = [t.token for t in whole.output[1].content[0].logprobs]
     assert "".join(tokens).startswith(whole.output_text) and "</think>" not in tokens
