@@ -79,10 +79,12 @@ class SchedulerLoop:
 
     def send_outputs(self, outputs: list[StepOutput], step_start: float | None = None) -> None:
         now = time.monotonic()
-        timings = {}
+        timings, cached = {}, {}
         for o in outputs:
             if o.token_id is not None and (t := self.timer.first_token(o.uid, step_start or now, now)):
                 timings[o.uid] = t
+            if o.cached_tokens is not None:  # set with the first token only
+                cached[o.uid] = o.cached_tokens
             if o.finish_reason:
                 self.timer.forget(o.uid)
         self.send_out(
@@ -94,7 +96,7 @@ class SchedulerLoop:
                 first_token_timings=timings,
                 logprobs={o.uid: o.logprobs for o in outputs if o.logprobs is not None},
                 prompt_logprobs={o.uid: o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None},
-                cached_tokens={o.uid: o.cached_tokens for o in outputs if o.cached_tokens is not None},
+                cached_tokens=cached,
             )
         )
 

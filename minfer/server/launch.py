@@ -275,7 +275,7 @@ async def _watch(server, state, workers: Workers, memory_line: str) -> None:
             flush=True,
         )
         print(f"minfer: {memory_line}", flush=True)
-        defaults = state.scheduler_info.get("sampling_defaults")
+        defaults = state.sampling_defaults
         if defaults:  # a user who expects OpenAI's temperature 1 should know why answers differ
             print(
                 f"minfer: requests that leave them unset get generation_config.json's "

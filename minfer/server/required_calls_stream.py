@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from minfer.server.tool_calls import call_id
+from minfer.server.tool_calls import arguments_delta, call_start_delta
 
 WHITESPACE = " \t\n\r"
 
@@ -20,7 +20,7 @@ WHITESPACE = " \t\n\r"
 class RequiredCallsStream:
     def __init__(self, arguments_key: str):
         self.key_token = json.dumps(arguments_key)
-        self.text = ""
+        self.text = ""  # the output so far, as the caller holds it
         self.pos = 0  # everything before it has been read
         self.state = "array"  # array -> call -> (name read) -> arguments -> after_call -> ...
         self.depth = 0  # of the arguments object being streamed
@@ -28,9 +28,10 @@ class RequiredCallsStream:
         self.calls = 0  # headers sent
         self.failed = False
 
-    def feed(self, text: str) -> list[dict]:
-        """tool_calls deltas for newly generated text."""
-        self.text += text
+    def read(self, text: str) -> list[dict]:
+        """tool_calls deltas for the text generated since the last call (`text`: the whole output
+        so far)."""
+        self.text = text
         deltas: list[dict] = []
         while not self.failed:
             step = getattr(self, f"_{self.state}")()
@@ -74,8 +75,7 @@ class RequiredCallsStream:
         self.state = "arguments"
         self.depth, self.in_string, self.escaped = 0, False, False
         self.calls += 1
-        call = {"index": self.calls - 1, "id": call_id(), "type": "function"}
-        return [{"tool_calls": [{**call, "function": {"name": name, "arguments": ""}}]}]
+        return [call_start_delta(self.calls - 1, name)]
 
     def _read_header(self) -> str | None:
         """The call's name, with the reader at its arguments' `{`; None for too little text."""
@@ -123,7 +123,7 @@ class RequiredCallsStream:
         self.pos = end
         if end == start:
             return None
-        return [{"tool_calls": [{"index": self.calls - 1, "function": {"arguments": self.text[start:end]}}]}]
+        return [arguments_delta(self.calls - 1, self.text[start:end])]
 
     def _after_call(self):
         """The call object's `}`, then `,` (another call) or `]` (the last)."""

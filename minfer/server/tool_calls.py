@@ -30,6 +30,17 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def call_start_delta(index: int, name: str) -> dict:
+    """A streamed call's first `tool_calls` delta: its id, type and name, no arguments yet."""
+    start = {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
+    return {"tool_calls": [start]}
+
+
+def arguments_delta(index: int, text: str) -> dict:
+    """A piece of a streamed call's arguments."""
+    return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
+
+
 @dataclass
 class ToolPlan:
     """How one request uses its tools."""

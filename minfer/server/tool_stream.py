@@ -14,24 +14,12 @@ then its arguments as written); cut short by max_tokens, the call sent so far st
 from __future__ import annotations
 
 from minfer.server.required_calls_stream import RequiredCallsStream
-from minfer.server.tool_calls import ToolPlan, call_id
+from minfer.server.tool_calls import ToolPlan, arguments_delta, call_start_delta
 from minfer.server.tool_parsers import ParsedCall, first_marker, held_back
 
 
 def call_deltas(index: int, call: ParsedCall) -> list[dict]:
-    return [
-        {
-            "tool_calls": [
-                {
-                    "index": index,
-                    "id": call_id(),
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }
-            ]
-        },
-        {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]},
-    ]
+    return [call_start_delta(index, call.name), arguments_delta(index, call.arguments)]
 
 
 class ToolCallStream:
@@ -52,11 +40,11 @@ class ToolCallStream:
         if mode == "named":
             deltas = []
             if self.calls_sent == 0:
-                deltas = call_deltas(0, ParsedCall(self.plan.forced_name, ""))[:1]
+                deltas = [call_start_delta(0, self.plan.forced_name)]
                 self.calls_sent = 1
-            return [*deltas, {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
+            return [*deltas, arguments_delta(0, text)]
         if self.required is not None:
-            deltas = self.required.feed(text)
+            deltas = self.required.read(self.text)
             self.calls_sent = self.required.calls
             return deltas
         if self.call_start is not None:
